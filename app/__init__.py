@@ -1,0 +1,1 @@
+"""Driver side: CLI, registry, buffer, rollout workers, data, rewards, metrics."""

@@ -1,0 +1,80 @@
+"""The embedded tiny model: a Qwen2-architecture causal LM with a character-level tokenizer and a chat
+template, built deterministically from a seed, saved as an ordinary HF directory (so every loader in
+the project treats it like any other model)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen2's template, so prompts look like the real thing (and share a rendered prefix per system prompt).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_char(b: int) -> str:
+    """GPT-2/Qwen byte-level alphabet: printable ASCII is itself, space is 'Ġ', newline 'Ċ'."""
+    return chr(b) if 33 <= b <= 126 else chr(256 + b)
+
+
+def _vocab() -> dict[str, int]:
+    chars = [_byte_char(b) for b in list(range(33, 127)) + [32, 10]]  # printable ASCII, space, newline
+    return {t: i for i, t in enumerate(SPECIALS + chars)}
+
+
+def build_tokenizer():
+    """Qwen2's own tokenizer class (byte-level BPE) with no merges: one token per character, so the
+    tiny model's vocabulary stays ~100 and prompts are long enough in tokens to fill KV blocks."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    tok = Qwen2Tokenizer(vocab=_vocab(), merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                         unk_token="<|endoftext|>", chat_template=CHAT_TEMPLATE, model_max_length=2048)
+    tok.add_tokens([AddedToken(t, special=True) for t in SPECIALS])
+    return tok
+
+
+def build_tiny_model(out: str | Path, seed: int = 0, hidden: int = 128, layers: int = 2,
+                     heads: int = 4, kv_heads: int = 2, intermediate: int = 384) -> Path:
+    """Write config, weights (safetensors, float32), tokenizer and generation config to `out`."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    pad = tok.convert_tokens_to_ids("<|endoftext|>")
+    cfg = Qwen2Config(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
+        rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
+        torch_dtype="float32",
+    )
+    assert hidden // heads in (32, 64, 80, 96, 112, 128, 256), "vLLM CPU attention head sizes"
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # re-draw every tensor from our generator: independent of HF init order
+        for name, p in sorted(model.named_parameters()):
+            if p.ndim == 1:
+                p.fill_(1.0 if "norm" in name else 0.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    model.to(torch.float32).save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=True).save_pretrained(out)
+    (out / "TINY_MODEL.json").write_text(json.dumps({"seed": seed, "params": model.num_parameters()}))
+    return out
+
+
+def ensure_model(path: str | Path, build_tiny: bool = True, seed: int = 0) -> Path:
+    """Return `path`; build the tiny model there first when it does not exist and building is allowed."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    if not build_tiny:
+        raise FileNotFoundError(f"model.path {path}: no config.json (set model.build_tiny=true to build the tiny model)")
+    return build_tiny_model(path, seed=seed)

@@ -1,0 +1,397 @@
+"""The one typed config: dataclasses whose fields carry their help text, loaded from YAML plus
+`--set key=value` overrides, validated in one place (`validate`), every broken rule one message that
+names its key. `python -m app train --help` prints `describe()`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# vLLM accepts only these LoRA ranks as `max_lora_rank` (vllm/config/lora.py MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("runs/tiny-model", "HF model directory (any causal LM vLLM and transformers load).")
+    build_tiny: bool = _f(True, "Build the embedded tiny model at `path` if the directory does not exist.")
+    tiny_seed: int = _f(0, "Seed of the embedded tiny model (weights are a pure function of it).")
+    dtype: str = _f("auto", "float32 | bfloat16 | auto (bfloat16 on GPU, float32 on CPU).")
+    max_model_len: int = _f(512, "Context length for the engines and the trainer (prompt + completion).")
+
+
+@dataclass
+class DataConfig:
+    path: str = _f("builtin:letters", "Prompts: a .parquet or .jsonl file, or `builtin:letters` (toy task).")
+    prompt_column: str = _f("prompt", "Column holding the prompt text.")
+    answer_column: str = _f("answer", "Column holding the reference answer given to the reward.")
+    id_column: str | None = _f(None, "Optional column with a stable prompt id (row index otherwise).")
+    system_prompt: str | None = _f(None, "System message put before every prompt by the chat template.")
+    use_chat_template: bool = _f(True, "Render prompts with the tokenizer's chat template.")
+    shuffle_seed: int = _f(0, "Seed of the per-epoch shuffle.")
+    epochs: int = _f(100, "Passes over the data (training stops at train.total_steps anyway).")
+    builtin_size: int = _f(256, "Number of prompts the builtin task generates.")
+
+
+@dataclass
+class RewardConfig:
+    fn: str = _f("app.rewards:letter_reward", "Reward function `module:function(completion, answer, prompt) -> float`.")
+    where: str = _f("worker", "Run rewards in the rollout worker (`worker`) or as Ray tasks (`task`).")
+
+
+@dataclass
+class LoraConfig:
+    rank: int = _f(8, "LoRA rank r.")
+    alpha: float = _f(16.0, "LoRA alpha (scaling = alpha / rank).")
+    dropout: float = _f(0.0, "LoRA dropout.")
+    target_modules: Any = _f("all-linear", "Module names (list, e.g. [q_proj, v_proj]) or `all-linear`.")
+    use_dora: bool = _f(False, "DoRA (vLLM cannot serve it: forces merge sync).")
+    modules_to_save: list = _f([], "Extra trained full modules (vLLM cannot serve them: forces merge sync).")
+
+
+@dataclass
+class GRPOConfig:
+    group_size: int = _f(8, "Completions sampled per prompt (G).")
+    prompts_per_step: int = _f(8, "Prompts per optimizer step (batch = prompts_per_step x group_size).")
+    lr: float = _f(1e-3, "AdamW learning rate over the LoRA parameters.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    clip_eps_low: float = _f(0.2, "PPO clip: ratio lower bound 1 - eps_low.")
+    clip_eps_high: float = _f(0.2, "PPO clip: ratio upper bound 1 + eps_high (DAPO clip-higher when larger).")
+    kl_coef: float = _f(0.0, "KL to the base policy (adapter disabled); 0 skips the reference forward.")
+    tis_cap: float | None = _f(None, "Truncated importance sampling cap on trainer/behaviour ratio; null = off.")
+    scale_rewards: bool = _f(True, "Divide advantages by the group std (False = Dr. GRPO).")
+    loss_agg: str = _f("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum.")
+    temperature: float = _f(1.0, "Sampling temperature.")
+    top_p: float = _f(1.0, "Sampling top-p.")
+    max_new_tokens: int = _f(16, "Max completion tokens.")
+
+
+@dataclass
+class TrainConfig:
+    num_workers: int = _f(2, "Ray Train workers (ranks).")
+    cpus_per_worker: float = _f(0.5, "CPUs reserved per worker (fractions let training and serving share 2 cores).")
+    use_gpu: bool = _f(False, "One GPU per worker, nccl and bf16.")
+    zero_stage: int = _f(2, "DeepSpeed ZeRO stage 0-3.")
+    grad_accum: int = _f(1, "Gradient accumulation micro-steps per optimizer step.")
+    max_grad_norm: float = _f(1.0, "Gradient clipping (0 = off).")
+    total_steps: int = _f(30, "Optimizer steps to run.")
+    seed: int = _f(0, "Seed of LoRA init, sampling and shuffles.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward (GPU, long sequences).")
+    logprob_chunk: int = _f(4096, "Tokens per chunk when computing token logprobs (bounds the log-softmax memory).")
+
+
+@dataclass
+class RolloutConfig:
+    replicas: int = _f(2, "vLLM replicas (Serve deployment replicas).")
+    cpus_per_replica: float = _f(0.5, "CPUs reserved per replica.")
+    gpus_per_replica: float = _f(0.0, "GPUs per replica (tensor_parallel of them on GPU).")
+    tensor_parallel: int = _f(1, "vLLM tensor parallel size.")
+    max_lora_rank: int = _f(8, "vLLM max_lora_rank; one of 1, 8, 16, 32, 64, 128, 256, 320, 512.")
+    kv_cache_gib: float = _f(1.0, "VLLM_CPU_KVCACHE_SPACE on CPU (GiB).")
+    gpu_memory_utilization: float = _f(0.85, "vLLM gpu_memory_utilization on GPU.")
+    max_num_seqs: int = _f(64, "vLLM max_num_seqs.")
+    enforce_eager: bool = _f(True, "Skip CUDA graphs / torch.compile (fast start); set False on GPU for speed.")
+    workers: int = _f(2, "Rollout worker actors that turn prompts into scored groups.")
+    http_port: int = _f(8000, "Serve HTTP port of the OpenAI-compatible router.")
+    admin_token: str | None = _f(None, "Bearer token for admin routes; env LORA_GRPO_ADMIN_TOKEN if null; none = admin off.")
+    app_name: str = _f("policy", "Serve application name.")
+
+
+@dataclass
+class RouterConfig:
+    policy: str = _f("prefix", "prefix | round_robin | serve_default.")
+    imbalance: int = _f(8, "Spill to the least-loaded replica when the prefix owner has this many more in flight.")
+    max_tracked_blocks: int = _f(100_000, "Per-replica LRU bound on tracked block hashes.")
+
+
+@dataclass
+class SyncConfig:
+    mode: str = _f("adapter", "adapter | merge: publish LoRA tensors, or fold into base weights and push those.")
+    every: int = _f(1, "Publish every N optimizer steps.")
+    delta_threshold: float = _f(0.0, "Skip a publish when no adapter tensor moved more than this (max abs).")
+    max_staleness: int = _f(2, "Accept samples of versions >= trainer version - max_staleness.")
+    max_loras: int | None = _f(None, "Adapter slots per replica; default and minimum max_staleness + 2.")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _f(10, "Checkpoint every N steps (0 = only at the end).")
+    keep: int = _f(2, "Checkpoints Ray Train keeps.")
+    resume_from: str | None = _f(None, "Checkpoint directory to resume from.")
+
+
+@dataclass
+class RunConfig:
+    name: str = _f("grpo", "Run name (subdirectory of out_dir).")
+    out_dir: str = _f("runs", "Where run directories go (metrics.jsonl, plots, adapter, checkpoints).")
+    mode: str = _f("async", "async (rollouts run ahead) | sync (generate, then train, alternating).")
+    serve_after: bool = _f(False, "Keep serving the final policy after training until interrupted.")
+    ray_address: str | None = _f(None, "Ray address to join; null = the job's cluster or a new local one.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    # Derived values live here, computed from fields, never stored twice.
+    @property
+    def max_loras(self) -> int:
+        return self.sync.max_loras if self.sync.max_loras is not None else self.sync.max_staleness + 2
+
+    @property
+    def torch_dtype(self) -> str:
+        if self.model.dtype != "auto":
+            return self.model.dtype
+        return "bfloat16" if self.train.use_gpu else "float32"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir) / self.run.name
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class ConfigError(ValueError):
+    """Every broken rule of a config, one line each, naming the key."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+# ---------------------------------------------------------------- loading
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.type if isinstance(f.type, type) else _resolve(f.type) for f in dataclasses.fields(Config)}
+
+
+def _resolve(tp):
+    return typing.get_type_hints(Config)[tp] if isinstance(tp, str) else tp
+
+
+def _section_types() -> dict[str, type]:
+    return typing.get_type_hints(Config)
+
+
+def from_dict(d: dict | None) -> Config:
+    """Build a Config from nested dicts; unknown sections or keys are errors naming them."""
+    d = d or {}
+    problems, kwargs = [], {}
+    types = _section_types()
+    for sec, val in d.items():
+        if sec not in types:
+            problems.append(f"{sec}: unknown section (known: {', '.join(types)})")
+            continue
+        if val is None:
+            continue
+        if not isinstance(val, dict):
+            problems.append(f"{sec}: must be a mapping, got {type(val).__name__}")
+            continue
+        cls = types[sec]
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = [k for k in val if k not in names]
+        problems += [f"{sec}.{k}: unknown key" for k in unknown]
+        kwargs[sec] = cls(**{k: v for k, v in val.items() if k in names})
+    if problems:
+        raise ConfigError(problems)
+    return Config(**kwargs)
+
+
+def _coerce(text: str) -> Any:
+    """`--set` values are YAML scalars: 3, 0.5, true, null, [q_proj, v_proj], strings."""
+    return yaml.safe_load(text)
+
+
+def apply_overrides(d: dict, overrides: list[str]) -> dict:
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError([f"--set {item!r}: expected key=value (e.g. train.total_steps=10)"])
+        key, _, value = item.partition("=")
+        parts = key.strip().split(".")
+        if len(parts) != 2:
+            raise ConfigError([f"--set {key}: keys are section.name (e.g. grpo.lr)"])
+        d.setdefault(parts[0], {})
+        if not isinstance(d[parts[0]], dict):
+            d[parts[0]] = {}
+        d[parts[0]][parts[1]] = _coerce(value)
+    return d
+
+
+def load(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """YAML file (optional) + overrides -> validated Config. Raises ConfigError."""
+    d: dict = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError([f"config file {path}: not found"])
+        try:
+            d = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError([f"config file {path}: not valid YAML ({e})"]) from e
+        if not isinstance(d, dict):
+            raise ConfigError([f"config file {path}: top level must be a mapping of sections"])
+    cfg = from_dict(apply_overrides(d, overrides or []))
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------- validation
+
+def _type_problems(cfg: Config) -> list[str]:
+    """Check each field against its annotation (int, float, bool, str, optional, list)."""
+    problems = []
+    for sec_name, sec_type in _section_types().items():
+        sec = getattr(cfg, sec_name)
+        hints = typing.get_type_hints(sec_type)
+        for f in dataclasses.fields(sec_type):
+            v, tp = getattr(sec, f.name), hints[f.name]
+            if not _matches(v, tp):
+                problems.append(f"{sec_name}.{f.name}: expected {_tname(tp)}, got {v!r}")
+    return problems
+
+
+def _matches(v, tp) -> bool:
+    if tp is Any:
+        return True
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return any(_matches(v, a) for a in args)
+    if tp is type(None):
+        return v is None
+    if tp is bool:
+        return isinstance(v, bool)
+    if tp is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if tp is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if tp in (list, dict, str):
+        return isinstance(v, tp)
+    if origin in (list, dict):
+        return isinstance(v, origin)
+    return isinstance(v, tp)
+
+
+def _tname(tp) -> str:
+    args = typing.get_args(tp)
+    if args:
+        return " or ".join("null" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
+    return getattr(tp, "__name__", str(tp))
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError listing every broken rule; checks that need no model files."""
+    p = _type_problems(cfg)
+    if p:  # later rules assume the types hold
+        raise ConfigError(p)
+    m, g, t, r, s, lo = cfg.model, cfg.grpo, cfg.train, cfg.rollout, cfg.sync, cfg.lora
+
+    def need(ok: bool, msg: str):
+        if not ok:
+            p.append(msg)
+
+    need(m.dtype in ("auto", "float32", "bfloat16", "float16"), f"model.dtype: {m.dtype!r} is not float32, bfloat16, float16 or auto")
+    need(m.max_model_len >= 16, "model.max_model_len: must be >= 16")
+    need(cfg.data.epochs >= 1, "data.epochs: must be >= 1")
+    need(cfg.data.builtin_size >= 1, "data.builtin_size: must be >= 1")
+    need(":" in cfg.reward.fn, f"reward.fn: {cfg.reward.fn!r} is not `module:function`")
+    need(cfg.reward.where in ("worker", "task"), f"reward.where: {cfg.reward.where!r} is not worker or task")
+    need(lo.rank > 0, f"lora.rank: must be > 0, got {lo.rank}")
+    need(lo.alpha > 0, f"lora.alpha: must be > 0, got {lo.alpha}")
+    need(0.0 <= lo.dropout < 1.0, f"lora.dropout: must be in [0, 1), got {lo.dropout}")
+    tm = lo.target_modules
+    need(tm == "all-linear" or (isinstance(tm, list) and tm and all(isinstance(x, str) for x in tm)),
+         f"lora.target_modules: must be `all-linear` or a non-empty list of module names, got {tm!r}")
+    need(g.group_size >= 2, f"grpo.group_size: must be >= 2 (advantages are relative within a group), got {g.group_size}")
+    need(g.prompts_per_step >= 1, "grpo.prompts_per_step: must be >= 1")
+    need(g.lr > 0, "grpo.lr: must be > 0")
+    need(g.clip_eps_low > 0 and g.clip_eps_high > 0, "grpo.clip_eps_low/high: must be > 0")
+    need(g.clip_eps_low < 1, "grpo.clip_eps_low: must be < 1")
+    need(g.kl_coef >= 0, "grpo.kl_coef: must be >= 0")
+    need(g.tis_cap is None or g.tis_cap >= 1.0, f"grpo.tis_cap: must be null or >= 1, got {g.tis_cap}")
+    need(g.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+         f"grpo.loss_agg: {g.loss_agg!r} is not token-mean, seq-mean-token-mean or seq-mean-token-sum")
+    need(g.temperature > 0, "grpo.temperature: must be > 0")
+    need(0 < g.top_p <= 1, "grpo.top_p: must be in (0, 1]")
+    need(1 <= g.max_new_tokens < m.max_model_len, "grpo.max_new_tokens: must be >= 1 and < model.max_model_len")
+    need(t.num_workers >= 1, "train.num_workers: must be >= 1")
+    need(t.cpus_per_worker > 0, "train.cpus_per_worker: must be > 0")
+    need(0 <= t.zero_stage <= 3, f"train.zero_stage: must be 0, 1, 2 or 3, got {t.zero_stage}")
+    need(t.grad_accum >= 1, "train.grad_accum: must be >= 1")
+    need(t.max_grad_norm >= 0, "train.max_grad_norm: must be >= 0")
+    need(t.total_steps >= 1, "train.total_steps: must be >= 1")
+    need(t.logprob_chunk >= 1, "train.logprob_chunk: must be >= 1")
+    batch = g.prompts_per_step * g.group_size
+    need(batch % (t.num_workers * t.grad_accum) == 0,
+         f"grpo.prompts_per_step x grpo.group_size ({batch}) must divide by train.num_workers x train.grad_accum "
+         f"({t.num_workers * t.grad_accum})")
+    need(r.replicas >= 1, "rollout.replicas: must be >= 1")
+    need(r.cpus_per_replica > 0, "rollout.cpus_per_replica: must be > 0")
+    need(r.tensor_parallel >= 1, "rollout.tensor_parallel: must be >= 1")
+    need(r.max_lora_rank in VLLM_LORA_RANKS, f"rollout.max_lora_rank: {r.max_lora_rank} is not one of {VLLM_LORA_RANKS}")
+    need(r.kv_cache_gib > 0, "rollout.kv_cache_gib: must be > 0")
+    need(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization: must be in (0, 1]")
+    need(r.workers >= 1, "rollout.workers: must be >= 1")
+    need(1 <= r.http_port <= 65535, "rollout.http_port: must be a TCP port")
+    need(cfg.router.policy in ("prefix", "round_robin", "serve_default"),
+         f"router.policy: {cfg.router.policy!r} is not prefix, round_robin or serve_default")
+    need(cfg.router.imbalance >= 1, "router.imbalance: must be >= 1")
+    need(cfg.router.max_tracked_blocks >= 1, "router.max_tracked_blocks: must be >= 1")
+    need(s.mode in ("adapter", "merge"), f"sync.mode: {s.mode!r} is not adapter or merge")
+    need(s.every >= 1, "sync.every: must be >= 1")
+    need(s.delta_threshold >= 0, "sync.delta_threshold: must be >= 0")
+    need(s.max_staleness >= 0, "sync.max_staleness: must be >= 0")
+    need(s.max_loras is None or s.max_loras >= s.max_staleness + 2,
+         f"sync.max_loras: {s.max_loras} < sync.max_staleness + 2 ({s.max_staleness + 2}): live versions, "
+         "their in-flight predecessors and a swap slot must fit")
+    if s.mode == "adapter":
+        need(lo.rank <= r.max_lora_rank,
+             f"lora.rank: {lo.rank} exceeds rollout.max_lora_rank {r.max_lora_rank}; raise max_lora_rank or set sync.mode=merge")
+    need(cfg.checkpoint.every >= 0, "checkpoint.every: must be >= 0")
+    need(cfg.checkpoint.keep >= 1, "checkpoint.keep: must be >= 1")
+    need(cfg.run.mode in ("async", "sync"), f"run.mode: {cfg.run.mode!r} is not async or sync")
+    need(bool(cfg.run.name) and "/" not in cfg.run.name, "run.name: must be a non-empty name without '/'")
+    if p:
+        raise ConfigError(p)
+
+
+def needs_merge(cfg: Config) -> str | None:
+    """Why vLLM cannot serve this adapter as LoRA (then sync falls back to merge), or None."""
+    if cfg.lora.use_dora:
+        return "DoRA adapters are not servable by vLLM's LoRA path"
+    if cfg.lora.modules_to_save:
+        return "modules_to_save is not servable by vLLM's LoRA path"
+    return None
+
+
+def describe() -> str:
+    """Every key with its type, default and meaning: the manual printed by `train --help`."""
+    lines = []
+    for sec_name, sec_type in _section_types().items():
+        lines.append(f"{sec_name}:")
+        hints = typing.get_type_hints(sec_type)
+        for f in dataclasses.fields(sec_type):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {sec_name}.{f.name} ({_tname(hints[f.name])}, default {default!r}): {f.metadata.get('help', '')}")
+    return "\n".join(lines)

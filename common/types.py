@@ -1,0 +1,68 @@
+"""The records that cross from rollout to training, and the adapter version naming."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+POLICY_PREFIX = "policy-v"
+POLICY_LATEST = "policy-latest"
+_POLICY_RE = re.compile(r"^policy-v(\d+)$")
+
+
+def policy_name(version: int) -> str:
+    """Serving name of a published adapter version. Never reused for other weights."""
+    if version < 1:
+        raise ValueError(f"policy versions start at 1, got {version}")
+    return f"{POLICY_PREFIX}{version}"
+
+
+def parse_policy_name(name: str) -> int | None:
+    """`policy-v7` -> 7; anything else -> None."""
+    m = _POLICY_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def lora_int_id(version: int) -> int:
+    """vLLM's per-adapter integer id; one per version (version 0 is the base model, no adapter)."""
+    return int(version)
+
+
+@dataclass
+class Completion:
+    """One sampled completion as the rollout service returns it."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour logprob of each sampled token, under `version`
+    text: str
+    finish_reason: str | None
+    version: int  # 0 = base model
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Sample:
+    """One scored completion, ready for the GRPO loss."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]
+    reward: float
+    advantage: float
+    version: int  # policy version that sampled it
+    prompt_id: str = ""
+    group_id: str = ""
+
+
+@dataclass
+class Group:
+    """G samples of one prompt, scored and with group-relative advantages."""
+
+    samples: list[Sample]
+    version: int
+    prompt_id: str
+    gen_seconds: float = 0.0
+    gen_tokens: int = 0
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
