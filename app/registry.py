@@ -1,0 +1,103 @@
+"""AdapterRegistry: the one owner of published adapter payloads.
+
+Protocol (DESIGN.md section 2):
+- The trainer's rank 0 calls `publish.remote(version, ref, meta)` with the ObjectRef as a top-level
+  argument, so this actor receives the *value* and re-puts it: objects a train worker puts die with
+  that worker, objects this actor puts live as long as the registry.
+- If a router is attached, `publish` asks it to load the version on every replica; the version becomes
+  live only when the router says every replica acknowledged. Otherwise the payload is dropped and the
+  error is raised to the publisher; earlier versions keep serving.
+- Replicas fetch payloads by version with `get` (also on restart, for every live version).
+
+It is an async actor so `get` calls from replicas are served while `publish` awaits the router.
+"""
+from __future__ import annotations
+
+import time
+
+import ray
+
+REGISTRY_NAME = "adapter-registry"
+NAMESPACE = "lora_grpo"
+
+
+@ray.remote(num_cpus=0)
+class AdapterRegistry:
+    def __init__(self, keep: int = 3):
+        self._refs: dict[int, ray.ObjectRef] = {}
+        self._meta: dict[int, dict] = {}
+        self._live: list[int] = []
+        self._history: list[dict] = []
+        self._router = None  # DeploymentHandle of the router ingress
+        self._keep = keep  # live versions: max_staleness + 1 (replicas hold one more slot for the swap)
+
+    async def attach_router(self, app_name: str | None, deployment_name: str | None = None) -> None:
+        """Attach the router ingress (`serve.get_app_handle(app_name)`), or detach with None."""
+        if app_name is None:
+            self._router = None
+            return
+        from ray import serve
+
+        self._router = (serve.get_deployment_handle(deployment_name, app_name) if deployment_name
+                        else serve.get_app_handle(app_name))
+
+    async def publish(self, version: int, tensors: dict, meta: dict) -> dict:
+        """Store a payload (tensors arrive resolved), have every replica load it, mark it live."""
+        if version in self._meta:
+            raise ValueError(f"policy-v{version} was already published; a version is never reused")
+        if self._live and version <= max(self._live):
+            raise ValueError(f"policy-v{version} is not newer than live policy-v{max(self._live)}")
+        t0 = time.perf_counter()
+        self._refs[version] = ray.put(tensors)
+        self._meta[version] = dict(meta, version=version)
+        load_s = 0.0
+        if self._router is not None:
+            t1 = time.perf_counter()
+            try:
+                await self._router.load_adapter.remote(version)
+            except Exception:
+                self._forget(version)
+                raise
+            load_s = time.perf_counter() - t1
+        self._live.append(version)
+        self._trim()
+        rec = {"version": version, "nbytes": meta.get("nbytes", 0), "kind": meta.get("kind", "adapter"),
+               "seconds": time.perf_counter() - t0, "replica_load_seconds": load_s, "time": time.time()}
+        self._history.append(rec)
+        return rec
+
+    async def get(self, version: int) -> dict:
+        """`{"ref": [ObjectRef], "meta": dict}`; the ref is inside a list so it is passed, not resolved."""
+        if version not in self._refs:
+            raise KeyError(f"policy-v{version} is not held by the registry (held: {sorted(self._refs)})")
+        return {"ref": [self._refs[version]], "meta": self._meta[version]}
+
+    async def live_versions(self) -> list[int]:
+        return list(self._live)
+
+    async def latest_version(self) -> int:
+        return max(self._live) if self._live else 0
+
+    async def history(self) -> list[dict]:
+        return list(self._history)
+
+    async def retire(self, version: int) -> None:
+        """Stop offering a version to new requests (the payload stays until trimmed)."""
+        if version in self._live:
+            self._live.remove(version)
+
+    def _forget(self, version: int) -> None:
+        self._refs.pop(version, None)
+        self._meta.pop(version, None)
+
+    def _trim(self) -> None:
+        while len(self._live) > self._keep:
+            self._forget(self._live.pop(0))
+
+
+def get_or_create_registry(keep: int = 3):
+    return AdapterRegistry.options(name=REGISTRY_NAME, namespace=NAMESPACE, get_if_exists=True).remote(keep)
+
+
+def get_registry():
+    return ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE)
