@@ -1,0 +1,121 @@
+"""Adapter publish (DESIGN.md section 2): gather the LoRA state dict, skip when nothing moved (a decision
+all ranks share), and hand the payload to the AdapterRegistry actor.
+
+Every rank calls `AdapterPublisher.maybe_publish` at the same steps: under ZeRO-3 the gather is a
+collective, and the skip decision is an all-reduce, so no rank can run ahead into a different collective.
+Only rank 0 talks to Ray."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from common.adapter_io import make_meta, tensors_nbytes
+
+REGISTRY_NAME = "adapter-registry"  # app.registry.REGISTRY_NAME (train_loops does not import app)
+NAMESPACE = "lora_grpo"
+
+
+def gather_lora_state(peft_model, zero_stage: int) -> dict[str, torch.Tensor]:
+    """PEFT-named LoRA tensors as CPU copies, on every rank (collective under ZeRO-3)."""
+    from peft import get_peft_model_state_dict
+
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    if zero_stage == 3:
+        import deepspeed
+
+        ctx = deepspeed.zero.GatheredParameters(trainable, modifier_rank=None)
+    else:
+        ctx = contextlib.nullcontext()
+    with ctx:
+        sd = get_peft_model_state_dict(peft_model)
+        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
+
+
+def max_abs_change(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor] | None) -> float:
+    if old is None:
+        return float("inf")
+    return max(float((new[k].float() - old[k].float()).abs().max()) if new[k].numel() else 0.0 for k in new)
+
+
+def _all_reduce_max(x: float, device) -> float:
+    if not (dist.is_available() and dist.is_initialized()):
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def ray_actor(name: str | None):
+    """The named actor in the project namespace, when a name is given and this process is in Ray."""
+    if not name:
+        return None
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    return ray.get_actor(name, namespace=NAMESPACE)
+
+
+class AdapterPublisher:
+    """Holds the policy version counter and the last published tensors (for the delta skip)."""
+
+    def __init__(self, *, rank: int, zero_stage: int, mode: str, every: int, delta_threshold: float,
+                 peft_config: dict, registry_name: str | None, device, start_version: int = 0,
+                 base_model_dir: str | None = None):
+        self.rank, self.zero_stage, self.mode = rank, zero_stage, mode
+        self.every, self.delta_threshold = every, delta_threshold
+        self.peft_config, self.device = peft_config, device
+        self.registry = ray_actor(registry_name) if rank == 0 else None
+        self.version = start_version
+        self._last: dict[str, torch.Tensor] | None = None
+        self._base = None
+        self._base_dir = base_model_dir
+
+    def resume_version(self, checkpoint_version: int) -> int:
+        """Continue at max(checkpoint, registry latest) so versions stay monotonic across restarts;
+        rank 0 asks the registry and every rank adopts its answer."""
+        import ray
+
+        latest = int(ray.get(self.registry.latest_version.remote())) if self.registry is not None else 0
+        obj = [max(checkpoint_version, latest)]
+        if dist.is_initialized():
+            dist.broadcast_object_list(obj, src=0, device=self.device if self.device.type == "cuda" else None)
+        self.version = obj[0]
+        return self.version
+
+    def maybe_publish(self, peft_model, step: int) -> dict:
+        """Collective; returns metrics (published, version, publish_seconds, adapter_bytes, max_delta)."""
+        if step % self.every:
+            return {"published": 0, "version": self.version}
+        t0 = time.perf_counter()
+        tensors = gather_lora_state(peft_model, self.zero_stage)
+        delta = _all_reduce_max(max_abs_change(tensors, self._last), self.device)
+        if delta <= self.delta_threshold:
+            return {"published": 0, "version": self.version, "max_delta": delta}
+        self._last = tensors
+        self.version += 1
+        nbytes = tensors_nbytes(tensors)
+        if self.rank == 0 and self.registry is not None:
+            nbytes = self._publish(tensors)
+        return {"published": 1, "version": self.version, "publish_seconds": time.perf_counter() - t0,
+                "adapter_bytes": nbytes, "max_delta": delta if delta != float("inf") else -1.0}
+
+    def _publish(self, lora: dict[str, torch.Tensor]) -> int:
+        import ray
+
+        if self.mode == "merge":
+            from train_loops.merge import load_base_state, lora_pairs, merged_state
+
+            if self._base is None:  # base weights are frozen: the files on disk are the live weights
+                self._base = load_base_state(self._base_dir)
+            payload = merged_state(self._base, lora_pairs(lora, self.peft_config))
+            meta = make_meta(payload, None, kind="merged")
+        else:
+            payload = lora
+            meta = make_meta(payload, self.peft_config, kind="adapter")
+        ref = ray.put(payload)
+        ray.get(self.registry.publish.remote(self.version, ref, meta))
+        return tensors_nbytes(payload)

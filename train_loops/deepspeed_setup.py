@@ -1,0 +1,80 @@
+"""DeepSpeed for a LoRA learner: config from our Config, a plain torch AdamW over the LoRA parameters,
+and process-group init that reuses what Ray Train or torchrun already set up.
+
+On CPU nothing may compile: DeepSpeed's CPU Adam / FusedAdam / optimizer offload build C++ for 70-90 s,
+and its shared-memory comm op (~45 s) is built even with DS_BUILD_OPS=0 unless `build_shm_op` is
+patched out before the comm backend starts (DESIGN.md section 3)."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+from common.config import Config
+
+
+def prepare_env(use_gpu: bool) -> None:
+    """Must run before the first `import deepspeed` in the process: the accelerator is chosen at import."""
+    if not use_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("DS_BUILD_OPS", "0")
+
+
+def patch_shm_op() -> None:
+    import deepspeed.comm.torch  # noqa: F401  (binds the torch package to the name; fetch the module below)
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+def init_distributed(use_gpu: bool) -> None:
+    """Join the existing process group (Ray Train creates one; under torchrun DeepSpeed creates it from
+    the env vars). gloo on CPU, nccl on GPU."""
+    prepare_env(use_gpu)
+    patch_shm_op()
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
+
+
+def ds_config(cfg: Config, world_size: int, overrides: dict | None = None) -> dict:
+    t, g = cfg.train, cfg.grpo
+    batch = g.prompts_per_step * g.group_size
+    conf = {
+        "train_batch_size": batch,
+        "train_micro_batch_size_per_gpu": batch // (world_size * t.grad_accum),
+        "gradient_accumulation_steps": t.grad_accum,
+        "gradient_clipping": float(t.max_grad_norm),
+        "zero_optimization": {"stage": t.zero_stage},
+        "bf16": {"enabled": cfg.torch_dtype == "bfloat16"},
+        "fp16": {"enabled": cfg.torch_dtype == "float16"},
+        # Our optimizer is plain torch AdamW (DeepSpeed's own ones compile on CPU).
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    for k, v in (overrides or {}).items():
+        if isinstance(v, dict) and isinstance(conf.get(k), dict):
+            conf[k] = {**conf[k], **v}
+        else:
+            conf[k] = v
+    return conf
+
+
+def lora_optimizer(model, cfg: Config) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise RuntimeError("no trainable parameters: LoRA was not applied")
+    return torch.optim.AdamW(params, lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
+
+
+def build_engine(model, cfg: Config, world_size: int, overrides: dict | None = None):
+    """deepspeed.initialize over an already-LoRA-wrapped model; returns the engine."""
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=lora_optimizer(model, cfg),
+                                      config=ds_config(cfg, world_size, overrides), dist_init_required=False)
+    return engine

@@ -1,0 +1,263 @@
+"""The per-worker GRPO loop. Runs under Ray Train's TorchTrainer (runner "ray") and under plain
+torchrun (runner "torchrun": `python -m torch.distributed.run --nproc_per_node N -m train_loops.worker
+LOOP_CFG.json`), the second for fast tests without Ray.
+
+loop_cfg keys:
+  config          Config.to_dict()
+  batch_source    "buffer" (rank 0 pulls from the RolloutBuffer actor and broadcasts) | "synthetic"
+                  (a pure function of (seed, step): tests and benchmarks)
+  registry_name   AdapterRegistry actor name (publish only when given and Ray is initialised)
+  metrics_name    RunMetrics actor name (per-step rows from rank 0)
+  resume_from     checkpoint directory (a Ray Train restart's own checkpoint takes precedence)
+  runner          "ray" (default) | "torchrun"
+  checkpoint_dir  torchrun only: where checkpoint_<step> directories go
+  ds_overrides    dict merged into the DeepSpeed config
+  dump_dir        tests/debugging: rank 0 writes steps.jsonl and the final full weights (full_state.safetensors)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common.config import Config, from_dict, validate
+from train_loops import checkpoint as ckpt
+from train_loops.batches import StepBatch, buffer_batch, collate, rank_slice, synthetic_batch
+from train_loops.grpo import grpo_loss
+
+_MAX_KEYS = ("log_ratio_abs_max",)
+_SUM_KEYS = ("tokens", "seq_tokens")
+
+
+def train_loop_per_worker(loop_cfg: dict) -> None:
+    cfg = from_dict(loop_cfg["config"])
+    validate(cfg)
+    from train_loops.deepspeed_setup import prepare_env
+
+    prepare_env(cfg.train.use_gpu)  # before anything imports deepspeed
+    GRPOWorker(cfg, loop_cfg).train()
+
+
+class GRPOWorker:
+    def __init__(self, cfg: Config, loop_cfg: dict):
+        from train_loops.adapter_sync import AdapterPublisher, ray_actor
+        from train_loops.deepspeed_setup import build_engine, init_distributed
+        from train_loops.lora import build_lora_model, peft_config_dict
+        from train_loops.policy import PolicyLogprobs
+
+        self.cfg, self.loop_cfg = cfg, loop_cfg
+        self.runner = loop_cfg.get("runner", "ray")
+        self.source = loop_cfg.get("batch_source", "buffer")
+        if self.source not in ("buffer", "synthetic"):
+            raise ValueError(f"batch_source {self.source!r} is not buffer or synthetic")
+        init_distributed(cfg.train.use_gpu)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = self._device()
+        torch.manual_seed(cfg.train.seed)
+
+        self.model = build_lora_model(cfg)
+        self.peft_config = peft_config_dict(self.model)
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.vocab = self.model.config.vocab_size
+        policy = PolicyLogprobs(self.model, cfg.train.logprob_chunk, cfg.grpo.temperature)
+        self.engine = build_engine(policy, cfg, self.world, loop_cfg.get("ds_overrides"))
+        self.metrics = ray_actor(loop_cfg.get("metrics_name")) if self.rank == 0 else None
+        self.publisher = AdapterPublisher(
+            rank=self.rank, zero_stage=cfg.train.zero_stage, mode=cfg.sync.mode, every=cfg.sync.every,
+            delta_threshold=cfg.sync.delta_threshold, peft_config=self.peft_config,
+            registry_name=loop_cfg.get("registry_name"), device=self.device, base_model_dir=cfg.model.path)
+        self.state = {"step": 0, "version": 0, "consumed_groups": 0}
+        self._restore()
+        self.publisher.resume_version(self.state["version"])
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> None:
+        total = self.cfg.train.total_steps
+        every = self.cfg.checkpoint.every
+        row = {}
+        for step in range(self.state["step"] + 1, total + 1):
+            row = self.step(step)
+            if (every and step % every == 0) or step == total:
+                self.save_checkpoint(step, row)
+        self._dump_final()
+
+    def step(self, step: int) -> dict:
+        """batch -> logprobs -> (ref logprobs) -> loss -> backward -> step -> publish -> report."""
+        t0 = time.perf_counter()
+        batch = self.next_batch(step)
+        t1 = time.perf_counter()
+        stats = self.learn(rank_slice(batch.samples, self.rank, self.world))
+        t2 = time.perf_counter()
+        pub = self.publisher.maybe_publish(self.model, step)
+        self.state.update(step=step, version=self.publisher.version,
+                          consumed_groups=self.state["consumed_groups"] + len(batch.groups))
+        if self.rank == 0 and pub["published"] and self.source == "buffer":
+            from train_loops.adapter_sync import ray_actor
+
+            ray_actor("rollout-buffer").set_trainer_version.remote(pub["version"])
+        reward_mean, reward_std = batch.reward_stats()
+        row = {**stats, **pub, "step_seconds": time.perf_counter() - t0, "batch_wait_seconds": t1 - t0,
+               "learn_seconds": t2 - t1, "train_tokens_per_s": stats["seq_tokens"] / max(t2 - t1, 1e-9),
+               "staleness_mean": batch.staleness_mean, "staleness_max": batch.staleness_max,
+               "dropped_samples": batch.dropped_samples, "reward_mean": reward_mean, "reward_std": reward_std}
+        self.report(step, row)
+        return row
+
+    def next_batch(self, step: int) -> StepBatch:
+        g = self.cfg.grpo
+        if self.source == "synthetic":
+            return synthetic_batch(self.cfg.train.seed, step, g.prompts_per_step, g.group_size, self.vocab,
+                                   g.max_new_tokens, g.scale_rewards)
+        obj = [buffer_batch(self.publisher.version, g.prompts_per_step) if self.rank == 0 else None]
+        dist.broadcast_object_list(obj, src=0, device=self._obj_device())
+        return obj[0]
+
+    def learn(self, samples: list) -> dict:
+        """One optimizer step over this rank's samples, in grad_accum micro-batches."""
+        g, accum = self.cfg.grpo, self.cfg.train.grad_accum
+        per = len(samples) // accum
+        micro_stats = []
+        for i in range(accum):
+            b = collate(samples[i * per:(i + 1) * per], self.pad_id, self.device)
+            fwd = {k: b[k] for k in ("input_ids", "attention_mask", "pred_pos", "targets", "mask")}
+            logp, entropy = self.engine(**fwd)
+            ref = None
+            if g.kl_coef > 0:
+                with torch.no_grad():
+                    ref, _ = self.engine(**fwd, disable_adapter=True)
+            loss, st = grpo_loss(logp, b["behaviour_logp"], b["mask"], b["advantages"],
+                                 clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high,
+                                 loss_agg=g.loss_agg, kl_coef=g.kl_coef, ref_logp=ref, tis_cap=g.tis_cap,
+                                 entropy=entropy)
+            self.engine.backward(loss)
+            self.engine.step()
+            micro_stats.append({**st, "loss": float(loss.detach()), "seq_tokens": int(b["attention_mask"].sum())})
+        stats = _combine(micro_stats)
+        grad_norm = self.engine.get_global_grad_norm()
+        stats["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        return stats
+
+    # ------------------------------------------------------------------ reporting, checkpoints
+
+    def report(self, step: int, row: dict) -> None:
+        """Average the per-rank stats, then rank 0 logs one row (RunMetrics actor and/or dump_dir)."""
+        rows = [None] * self.world
+        dist.all_gather_object(rows, row)
+        if self.rank != 0:
+            return
+        merged = {**row, **_combine([{k: r[k] for k in r if k in _STAT_KEYS} for r in rows])}
+        merged["train_tokens_per_s"] = merged["seq_tokens"] / max(max(r["learn_seconds"] for r in rows), 1e-9)
+        if self.metrics is not None:
+            self.metrics.log_train.remote(step, merged)
+        if self.loop_cfg.get("dump_dir"):
+            d = Path(self.loop_cfg["dump_dir"])
+            d.mkdir(parents=True, exist_ok=True)
+            with (d / "steps.jsonl").open("a") as f:
+                f.write(json.dumps({"step": step, **merged}) + "\n")
+
+    def save_checkpoint(self, step: int, row: dict) -> None:
+        from train_loops.adapter_sync import gather_lora_state
+
+        lora = gather_lora_state(self.model, self.cfg.train.zero_stage)
+        name = f"checkpoint_{step:06d}"
+        if self.runner == "torchrun":
+            parent = Path(self.loop_cfg.get("checkpoint_dir") or self.cfg.run_dir / "checkpoints")
+            ckpt.save(self.engine, parent / name, rank=self.rank, state=self.state, lora=lora,
+                      peft_config=self.peft_config)
+            if self.rank == 0:
+                ckpt.trim(parent, self.cfg.checkpoint.keep)
+            return
+        import ray.train
+
+        d = tempfile.mkdtemp(prefix="grpo-ckpt-")
+        try:
+            ckpt.save(self.engine, d, rank=self.rank, state=self.state, lora=lora, peft_config=self.peft_config)
+            metrics = {k: v for k, v in row.items() if isinstance(v, (int, float))}
+            ray.train.report({**metrics, "step": step, "version": self.state["version"]},
+                             checkpoint=ray.train.Checkpoint.from_directory(d), checkpoint_dir_name=name)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def _restore(self) -> None:
+        """A Ray Train restart's own checkpoint first (failure recovery), else loop_cfg resume_from."""
+        if self.runner == "ray":
+            import ray.train
+
+            c = ray.train.get_checkpoint()
+            if c is not None:
+                with c.as_directory() as d:
+                    self.state = ckpt.load(self.engine, d, rank=self.rank)
+                return
+        path = self.loop_cfg.get("resume_from") or self.cfg.checkpoint.resume_from
+        if path:
+            self.state = ckpt.load(self.engine, path, rank=self.rank)
+
+    def _dump_final(self) -> None:
+        """Tests: the trainer's full final weights (base + LoRA, PEFT names) from rank 0."""
+        if not self.loop_cfg.get("dump_dir"):
+            return
+        import contextlib
+
+        params = list(self.model.parameters())
+        ctx = contextlib.nullcontext()
+        if self.cfg.train.zero_stage == 3:
+            import deepspeed
+
+            ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        with ctx:
+            full = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in self.model.named_parameters()}
+        if self.rank == 0:
+            from safetensors.torch import save_file
+
+            save_file(full, str(Path(self.loop_cfg["dump_dir"]) / "full_state.safetensors"))
+        dist.barrier()
+
+    def _device(self) -> torch.device:
+        if not self.cfg.train.use_gpu:
+            return torch.device("cpu")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if self.runner == "ray":
+            import ray.train
+
+            local = ray.train.get_context().get_local_rank()
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+
+    def _obj_device(self):
+        return self.device if self.device.type == "cuda" else None
+
+
+_STAT_KEYS = ("loss", "kl", "clip_frac", "entropy", "log_ratio_abs_mean", "log_ratio_abs_max", "tokens",
+              "seq_tokens", "grad_norm", "tis_weight_mean", "tis_clip_frac")
+
+
+def _combine(stats: list[dict]) -> dict:
+    """Mean over micro-batches / ranks, max for maxima, sum for token counts."""
+    out = {}
+    for k in stats[0]:
+        vals = [s[k] for s in stats if k in s]
+        out[k] = max(vals) if k in _MAX_KEYS else sum(vals) if k in _SUM_KEYS else sum(vals) / len(vals)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun entry: the one argument is a JSON file holding loop_cfg."""
+    argv = sys.argv[1:] if argv is None else argv
+    loop_cfg = json.loads(Path(argv[0]).read_text())
+    loop_cfg["runner"] = "torchrun"
+    train_loop_per_worker(loop_cfg)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
