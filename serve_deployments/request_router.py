@@ -1,0 +1,324 @@
+"""Prefix-aware routing: the pure decision (`PrefixPolicy`) and the Serve RequestRouter that runs it.
+
+`PrefixAwareRouter` is attached to the rollout replica deployment (`request_router_config`) and so
+runs inside every DeploymentHandle to it, i.e. inside the ingress. The ingress puts a route key
+(prefix_hash.route_key: the prompt's chained block hashes, seeded by adapter) into each request's
+kwargs; the router reads it from `pending_request.kwargs`.
+
+The decision (DESIGN.md section 2, "Routing"):
+- per replica, an LRU of the block hashes sent there (bounded by router.max_tracked_blocks);
+- blocks every replica holds, or blocks followed by 2+ different next blocks (chat template, shared
+  system prompt) identify no prompt: match only on the prompt-specific blocks past them;
+- the replica with the longest match wins (round robin among ties), unless it has router.imbalance
+  or more requests in flight than the least-loaded one: then spill there;
+- no match: least loaded, round robin among ties;
+- counters: affinity / spill / unmatched requests, and the cache-hit blocks this predicts.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+from ray.serve.request_router import LocalityMixin, MultiplexMixin, RequestRouter
+
+from serve_deployments.prefix_hash import ROUTE_KWARG
+
+_MANY = -1  # in `_children`: this block was followed by 2+ different blocks
+
+
+@dataclass
+class Decision:
+    replica: Hashable
+    kind: str  # affinity | spill | unmatched | round_robin
+    matched: int  # prompt-specific blocks the chosen replica holds
+    predicted_hit_blocks: int  # blocks from the start the chosen replica holds (capped like vLLM)
+
+
+class PrefixPolicy:
+    """Routing state and decision, free of Ray (unit-tested and benchmarked directly).
+
+    Replica ids are any hashables; `ranked()` orders them by id so round robin is deterministic.
+    Block ownership is a bitmask per hash (one bit per replica slot): "held by every replica" is a
+    popcount and the longest match is a running AND, so a decision costs O(blocks), not
+    O(blocks x replicas).
+    """
+
+    COUNTERS = ("requests", "affinity", "spill", "unmatched", "round_robin", "predicted_hit_blocks",
+                "cacheable_blocks", "generic_blocks", "rerouted")
+
+    def __init__(self, policy: str = "prefix", imbalance: int = 8, max_tracked_blocks: int = 100_000):
+        if policy not in ("prefix", "round_robin"):
+            raise ValueError(f"PrefixPolicy: policy {policy!r} is not prefix or round_robin")
+        self.policy = policy
+        self.imbalance = imbalance
+        self.max_tracked_blocks = max_tracked_blocks
+        self._slot: dict[Hashable, int] = {}  # replica -> bit index
+        self._lru: dict[Hashable, OrderedDict] = {}  # replica -> block hashes sent there, oldest first
+        self._owners: dict[int, int] = {}  # block hash -> bitmask of replicas holding it
+        self._children: OrderedDict[int, int] = OrderedDict()  # block hash -> next block hash or _MANY
+        self._inflight: dict[Hashable, set] = {}  # replica -> request ids routed there, not completed
+        self._assigned: dict[str, tuple[Hashable, Decision]] = {}  # request id -> (replica, decision)
+        self._order: list[Hashable] = []
+        self._rr = 0
+        self.counters = dict.fromkeys(self.COUNTERS, 0)
+
+    # ------------------------------------------------------------ replica set
+
+    def set_replicas(self, replicas: Sequence[Hashable]) -> None:
+        new = set(replicas)
+        for r in [r for r in self._slot if r not in new]:
+            self.remove_replica(r)
+        for r in sorted(new - set(self._slot), key=str):
+            used = set(self._slot.values())
+            self._slot[r] = next(i for i in range(len(used) + 1) if i not in used)
+            self._lru[r] = OrderedDict()
+            self._inflight[r] = set()
+        self._order = sorted(self._slot, key=str)
+
+    def remove_replica(self, replica: Hashable) -> None:
+        """Forget a replica that left: its blocks, its bit in every owner mask, its in-flight set."""
+        if replica not in self._slot:
+            return
+        clear = ~(1 << self._slot.pop(replica))
+        for h in self._lru.pop(replica):
+            mask = self._owners.get(h, 0) & clear
+            if mask:
+                self._owners[h] = mask
+            else:
+                self._owners.pop(h, None)
+        for rid in self._inflight.pop(replica, ()):
+            self._assigned.pop(rid, None)
+        self._order = sorted(self._slot, key=str)
+
+    def knows(self, replica: Hashable) -> bool:
+        return replica in self._slot
+
+    @property
+    def replicas(self) -> list:
+        return list(self._order)
+
+    def load(self, replica: Hashable) -> int:
+        return len(self._inflight.get(replica, ()))
+
+    def tracked_blocks(self, replica: Hashable) -> int:
+        return len(self._lru.get(replica, ()))
+
+    # ------------------------------------------------------------ decision
+
+    def choose(self, key: dict | None, request_id: str | None = None,
+               candidates: Sequence[Hashable] | None = None) -> Decision:
+        """Pick a replica for a request with route key `key` (None: no prompt, load only) and record
+        the choice (blocks + in flight) at once, so the next request of a burst already sees it."""
+        cands = [r for r in (self._order if candidates is None else sorted(candidates, key=str)) if r in self._slot]
+        if not cands:
+            raise RuntimeError("PrefixPolicy.choose: no replicas")
+        hashes = (key or {}).get("hashes") or []
+        hit_cap = (key or {}).get("hit_cap", len(hashes))
+        loads = {r: len(self._inflight[r]) for r in cands}
+        if self.policy == "round_robin":
+            d = self._decide_round_robin(cands, hashes)
+        else:
+            d = self._decide_prefix(cands, hashes, loads)
+        d.predicted_hit_blocks = min(self._held_from_start(d.replica, hashes), hit_cap)
+        self._record(d.replica, hashes)
+        self._assign(request_id, d, hit_cap)
+        return d
+
+    def ranked(self, chosen: Hashable, candidates: Sequence[Hashable] | None = None) -> list[list]:
+        """Serve's ranked form: the choice first, then the rest by load (used only if it is full)."""
+        rest = [r for r in (candidates if candidates is not None else self._order) if r != chosen]
+        return [[chosen], sorted(rest, key=lambda r: (self.load(r), str(r)))] if rest else [[chosen]]
+
+    def _decide_prefix(self, cands, hashes, loads) -> Decision:
+        n_all = len(self._slot)
+        all_mask = sum(1 << self._slot[r] for r in cands)
+        cut = 0
+        for i, h in enumerate(hashes):
+            mask = self._owners.get(h)
+            if mask is None:
+                break  # chained: nothing past an unseen block was seen either
+            if (n_all > 1 and mask.bit_count() >= n_all) or self._children.get(h) == _MANY:
+                cut = i + 1
+        self.counters["generic_blocks"] += cut
+        # Longest run of prompt-specific blocks from `cut`, as a running AND of owner masks.
+        alive, matched = all_mask, 0
+        for h in hashes[cut:]:
+            nxt = alive & self._owners.get(h, 0)
+            if not nxt:
+                break
+            alive, matched = nxt, matched + 1
+        least = min(loads.values())
+        if matched == 0:
+            return Decision(self._rr_pick([r for r in cands if loads[r] == least]), "unmatched", 0, 0)
+        best = [r for r in cands if alive >> self._slot[r] & 1]
+        best_load = min(loads[r] for r in best)
+        owner = self._rr_pick([r for r in best if loads[r] == best_load])
+        if best_load - least >= self.imbalance:
+            return Decision(self._rr_pick([r for r in cands if loads[r] == least]), "spill", 0, 0)
+        return Decision(owner, "affinity", matched, 0)
+
+    def _decide_round_robin(self, cands, hashes) -> Decision:
+        r = self._rr_pick(cands)
+        return Decision(r, "round_robin", 0, 0)
+
+    def _rr_pick(self, tied: list) -> Hashable:
+        self._rr += 1
+        return tied[self._rr % len(tied)]
+
+    def _held_from_start(self, replica, hashes) -> int:
+        bit = 1 << self._slot[replica]
+        n = 0
+        for h in hashes:
+            if not self._owners.get(h, 0) & bit:
+                break
+            n += 1
+        return n
+
+    def _record(self, replica, hashes) -> None:
+        lru, bit = self._lru[replica], 1 << self._slot[replica]
+        for h in hashes:
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                self._owners[h] = self._owners.get(h, 0) | bit
+        while len(lru) > self.max_tracked_blocks:
+            old, _ = lru.popitem(last=False)
+            mask = self._owners.get(old, 0) & ~bit
+            if mask:
+                self._owners[old] = mask
+            else:
+                self._owners.pop(old, None)
+        ch = self._children
+        for parent, child in zip(hashes, hashes[1:]):
+            seen = ch.get(parent)
+            if seen is None:
+                ch[parent] = child
+            else:
+                if seen != child and seen != _MANY:
+                    ch[parent] = _MANY
+                ch.move_to_end(parent)
+        # The branch map is a hint: bound it like one replica's table.
+        while len(ch) > self.max_tracked_blocks:
+            ch.popitem(last=False)
+
+    # ------------------------------------------------------------ in-flight accounting
+
+    def _assign(self, request_id, d: Decision, hit_cap: int) -> None:
+        c = self.counters
+        prev = self._assigned.get(request_id) if request_id is not None else None
+        if prev is not None:  # Serve re-ran the choice (backoff): move it, count it once
+            self._inflight.get(prev[0], set()).discard(request_id)
+            c[prev[1].kind] -= 1
+            c["predicted_hit_blocks"] -= prev[1].predicted_hit_blocks
+            c["cacheable_blocks"] -= prev[2]
+            c["requests"] -= 1
+        c["requests"] += 1
+        c[d.kind] += 1
+        c["predicted_hit_blocks"] += d.predicted_hit_blocks
+        c["cacheable_blocks"] += hit_cap
+        if request_id is not None:
+            self._inflight[d.replica].add(request_id)
+            self._assigned[request_id] = (d.replica, d, hit_cap)
+
+    def routed(self, request_id: str, replica: Hashable, key: dict | None) -> None:
+        """Serve sent the request to `replica`; if that is not our choice (ours was full), move it."""
+        prev = self._assigned.get(request_id)
+        if prev is None or prev[0] == replica or replica not in self._slot:
+            return
+        self._inflight.get(prev[0], set()).discard(request_id)
+        hashes = (key or {}).get("hashes") or []
+        d = Decision(replica, prev[1].kind, 0, min(self._held_from_start(replica, hashes), prev[2]))
+        self.counters["predicted_hit_blocks"] += d.predicted_hit_blocks - prev[1].predicted_hit_blocks
+        self.counters["rerouted"] += 1
+        self._record(replica, hashes)
+        self._inflight[replica].add(request_id)
+        self._assigned[request_id] = (replica, d, prev[2])
+
+    def completed(self, request_id: str) -> None:
+        prev = self._assigned.pop(request_id, None)
+        if prev is not None and prev[0] in self._inflight:
+            self._inflight[prev[0]].discard(request_id)
+
+    def snapshot(self) -> dict:
+        c = dict(self.counters)
+        routed = max(1, c["requests"])
+        c.update({
+            "policy": self.policy,
+            "affinity_rate": c["affinity"] / routed,
+            "predicted_hit_rate": c["predicted_hit_blocks"] / max(1, c["cacheable_blocks"]),
+            "replicas": {str(r): {"inflight": self.load(r), "tracked_blocks": self.tracked_blocks(r)}
+                         for r in self._order},
+        })
+        return c
+
+
+# ---------------------------------------------------------------- the Serve RequestRouter
+
+# Routers living in this process (one per DeploymentHandle router to the replica deployment), so the
+# ingress can read their counters: they run on Serve's router event loop, in the ingress process.
+_ROUTERS: "weakref.WeakSet[PrefixAwareRouter]" = weakref.WeakSet()
+_ROUTERS_LOCK = threading.Lock()
+
+
+def local_routers(deployment_name: str | None = None) -> list["PrefixAwareRouter"]:
+    with _ROUTERS_LOCK:
+        return [r for r in _ROUTERS if deployment_name is None or r._deployment_id.name == deployment_name]
+
+
+def route_key_of(pending_request) -> dict | None:
+    if pending_request is None:
+        return None
+    key = pending_request.kwargs.get(ROUTE_KWARG)
+    return key if isinstance(key, dict) else None
+
+
+class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Serve RequestRouter running `PrefixPolicy` (router.policy prefix or round_robin).
+
+    No FIFOMixin on purpose: the replica chosen for a request must serve *that* request (Serve's
+    default exact match on the internal request id), or affinity decisions land on other prompts.
+    """
+
+    def initialize_state(self, policy: str = "prefix", imbalance: int = 8,
+                         max_tracked_blocks: int = 100_000) -> None:
+        self.policy = PrefixPolicy(policy, imbalance, max_tracked_blocks)
+        with _ROUTERS_LOCK:
+            _ROUTERS.add(self)
+
+    def _policy(self) -> PrefixPolicy:
+        if not hasattr(self, "policy"):  # constructed without initialize_state (defaults)
+            self.initialize_state()
+        return self.policy
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if not candidate_replicas:
+            return []
+        policy = self._policy()
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        if not all(policy.knows(r) for r in by_id):  # update_replicas normally keeps them in sync
+            policy.set_replicas(list(self._replicas))
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
+        d = policy.choose(route_key_of(pending_request), request_id, candidates=list(by_id))
+        return [[by_id[r] for r in rank] for rank in policy.ranked(d.replica, list(by_id))]
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        self._policy().routed(pending_request.metadata.internal_request_id, replica_id,
+                              route_key_of(pending_request))
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self._policy().completed(internal_request_id)
+
+    def update_replicas(self, replicas) -> None:
+        super().update_replicas(replicas)
+        self._policy().set_replicas([r.replica_id for r in replicas])
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._policy().remove_replica(replica_id)
+
+    def snapshot(self) -> dict:
+        return self._policy().snapshot()

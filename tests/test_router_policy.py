@@ -1,0 +1,150 @@
+"""The routing decision (PrefixPolicy), pure and fast: no Ray, no engine."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from serve_deployments.prefix_hash import route_key
+from serve_deployments.request_router import PrefixPolicy
+
+BS = 16
+_ids = itertools.count()
+
+
+def prompt(seed: int, n: int = 5 * BS) -> list[int]:
+    return [(seed * 7919 + i * 31) % 509 for i in range(n)]
+
+
+def send(pol: PrefixPolicy, tokens, adapter=None, done=True):
+    rid = f"req-{next(_ids)}"
+    d = pol.choose(route_key(tokens, BS, adapter), rid)
+    if done:
+        pol.completed(rid)
+    return d, rid
+
+
+def test_group_lands_on_one_replica_and_predicts_hits():
+    pol = PrefixPolicy(imbalance=8)
+    pol.set_replicas(["a", "b"])
+    toks = prompt(1, 3 * BS + 5)
+    ds = [pol.choose(route_key(toks, BS), f"g{i}") for i in range(8)]  # a burst, all in flight
+    assert len({d.replica for d in ds}) == 1
+    assert [d.kind for d in ds] == ["unmatched"] + ["affinity"] * 7
+    assert ds[0].predicted_hit_blocks == 0 and all(d.predicted_hit_blocks == 3 for d in ds[1:])
+    s = pol.snapshot()
+    assert s["requests"] == 8 and s["affinity"] == 7 and s["predicted_hit_blocks"] == 21
+    assert s["replicas"][ds[0].replica]["inflight"] == 8
+
+
+def test_distinct_prompts_spread_and_return_home():
+    pol = PrefixPolicy()
+    pol.set_replicas(["a", "b", "c"])
+    homes = {s: send(pol, prompt(s))[0].replica for s in range(6)}
+    assert set(homes.values()) == {"a", "b", "c"}  # unmatched ties go round robin
+    for s in range(6):
+        d, _ = send(pol, prompt(s))
+        assert d.replica == homes[s] and d.kind == "affinity"
+
+
+def test_adapters_never_share():
+    pol = PrefixPolicy()
+    pol.set_replicas(["a", "b"])
+    toks = prompt(3)
+    first, _ = send(pol, toks, "policy-v1")
+    d, _ = send(pol, toks, "policy-v2")
+    assert d.kind == "unmatched" and d.predicted_hit_blocks == 0
+    d, _ = send(pol, toks, "policy-v1")
+    assert d.kind == "affinity" and d.replica == first.replica
+
+
+def test_shared_system_prompt_identifies_no_prompt():
+    """Prompts behind one 2-block system prompt: once the system prompt is seen followed by different
+    blocks, a new prompt is unmatched (balanced), not glued to whoever first held the system prompt."""
+    pol = PrefixPolicy()
+    pol.set_replicas(["a", "b"])
+    system = prompt(100, 2 * BS)
+    first, _ = send(pol, system + prompt(1, 2 * BS))
+    second, _ = send(pol, system + prompt(2, 2 * BS))
+    assert second.kind == "affinity" and second.replica == first.replica  # system blocks not yet known shared
+    # Now the system prompt's last block has two different successors: it is generic.
+    homes = [send(pol, system + prompt(s, 2 * BS))[0] for s in range(3, 9)]
+    assert all(d.kind == "unmatched" for d in homes)
+    assert {d.replica for d in homes} == {"a", "b"}
+    # And each prompt still finds its own replica through its specific blocks.
+    for s, d in zip(range(3, 9), homes):
+        again, _ = send(pol, system + prompt(s, 2 * BS))
+        assert again.replica == d.replica and again.kind == "affinity" and again.matched == 2
+        assert again.predicted_hit_blocks == 3  # 4 full blocks, the last one is recomputed by vLLM
+    assert pol.snapshot()["generic_blocks"] > 0
+
+
+def test_blocks_every_replica_holds_are_generic():
+    pol = PrefixPolicy()
+    pol.set_replicas(["a", "b"])
+    common = prompt(7, 3 * BS)
+    # Force the common prefix onto both replicas.
+    pol.choose(route_key(common, BS), "x", candidates=["a"])
+    pol.choose(route_key(common, BS), "y", candidates=["b"])
+    d, _ = send(pol, common + prompt(8, 2 * BS))
+    assert d.kind == "unmatched"
+
+
+def test_spill_when_owner_is_overloaded():
+    pol = PrefixPolicy(imbalance=3)
+    pol.set_replicas(["a", "b"])
+    toks = prompt(11)
+    ds = [pol.choose(route_key(toks, BS), f"s{i}") for i in range(5)]
+    owner = ds[0].replica
+    # 1 unmatched + 2 affinity puts 3 in flight on the owner; the 4th sees 3 - 0 >= 3 and spills.
+    assert [d.kind for d in ds[:4]] == ["unmatched", "affinity", "affinity", "spill"]
+    assert ds[3].replica != owner
+    for i in range(5):
+        pol.completed(f"s{i}")
+    assert pol.load("a") == pol.load("b") == 0
+
+
+def test_lru_bound_and_eviction():
+    pol = PrefixPolicy(max_tracked_blocks=4)
+    pol.set_replicas(["a"])
+    for s in range(5):
+        send(pol, prompt(s, 3 * BS))
+    assert pol.tracked_blocks("a") == 4
+    d, _ = send(pol, prompt(0, 3 * BS))  # evicted long ago
+    assert d.predicted_hit_blocks == 0
+
+
+def test_replica_leaves():
+    pol = PrefixPolicy()
+    pol.set_replicas(["a", "b"])
+    d, rid = send(pol, prompt(21), done=False)
+    pol.set_replicas(["a", "b", "c"])
+    pol.remove_replica(d.replica)
+    assert d.replica not in pol.replicas
+    pol.completed(rid)  # completion of a request on a gone replica is harmless
+    d2, _ = send(pol, prompt(21))
+    assert d2.replica != d.replica and d2.kind == "unmatched"
+    with pytest.raises(RuntimeError):
+        PrefixPolicy().choose(None, "r")
+
+
+def test_retry_counted_once_and_reroute_moves_load():
+    pol = PrefixPolicy()
+    pol.set_replicas(["a", "b"])
+    key = route_key(prompt(31), BS)
+    d1 = pol.choose(key, "r1")
+    pol.choose(key, "r1")  # Serve re-runs choose_replicas on backoff
+    assert pol.snapshot()["requests"] == 1
+    other = "b" if d1.replica == "a" else "a"
+    pol.routed("r1", other, key)  # our choice was full; Serve used the next rank
+    assert pol.load(other) == 1 and pol.load(d1.replica) == 0 and pol.snapshot()["rerouted"] == 1
+    assert pol.ranked("a") == [["a"], ["b"]]
+
+
+def test_round_robin_policy():
+    pol = PrefixPolicy(policy="round_robin")
+    pol.set_replicas(["a", "b"])
+    reps = [send(pol, prompt(41))[0].replica for _ in range(4)]
+    assert reps in (["a", "b", "a", "b"], ["b", "a", "b", "a"])
+    with pytest.raises(ValueError):
+        PrefixPolicy(policy="serve_default")  # Serve's own router, not ours
