@@ -1,0 +1,125 @@
+"""Cost of one prefix-aware routing decision (PrefixPolicy.choose + completion), without Serve.
+
+For 1k-token prompts (GRPO groups: G requests per prompt, prompts sharing a chat-template/system
+prefix) with 2, 8 and 64 replicas whose tables each hold `--tracked` block hashes (steady state: the
+LRU is full). Also the cost of hashing the prompt (prefix_hash.route_key), which the ingress pays.
+
+    python benchmarks/bench_router_overhead.py [--quick] [--block-size 16] [--tracked 100000]
+
+Prints a table; writes benchmarks/results/router_overhead.json and router_overhead.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from serve_deployments.prefix_hash import route_key  # noqa: E402
+from serve_deployments.request_router import PrefixPolicy  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "results"
+
+
+def make_prompts(n: int, tokens: int, system_tokens: int, rng: random.Random) -> list[list[int]]:
+    system = [rng.randrange(50_000) for _ in range(system_tokens)]
+    return [system + [rng.randrange(50_000) for _ in range(tokens - system_tokens)] for _ in range(n)]
+
+
+def fill(pol: PrefixPolicy, replicas: int, tracked: int, block_size: int) -> float:
+    """Fill every replica's LRU to `tracked` blocks with synthetic prompt chains (fast path: no
+    hashing of token ids, random 64-bit hashes chained per prompt)."""
+    t0 = time.perf_counter()
+    rng = random.Random(1)
+    per_prompt = 1024 // block_size
+    for i, r in enumerate(pol.replicas):
+        for _ in range(tracked // per_prompt + 1):
+            hashes = [rng.getrandbits(64) for _ in range(per_prompt)]
+            pol.choose({"hashes": hashes, "hit_cap": per_prompt}, None, candidates=[r])
+    return time.perf_counter() - t0
+
+
+def bench(replicas: int, tracked: int, block_size: int, decisions: int, group: int, policy: str) -> dict:
+    rng = random.Random(0)
+    pol = PrefixPolicy(policy=policy, imbalance=8, max_tracked_blocks=tracked)
+    pol.set_replicas([f"replica-{i:03d}" for i in range(replicas)])
+    fill_s = fill(pol, replicas, tracked, block_size)
+    pol.counters = dict.fromkeys(pol.COUNTERS, 0)
+    n_prompts = max(1, decisions // group)
+    prompts = make_prompts(n_prompts, 1024, 256, rng)
+    t0 = time.perf_counter()
+    keys = [route_key(p, block_size, "policy-v3") for p in prompts]
+    hash_us = (time.perf_counter() - t0) / len(prompts) * 1e6
+    inflight: list[str] = []
+    t0 = time.perf_counter()
+    n = 0
+    for key in keys:
+        for _ in range(group):
+            rid = f"r{n}"
+            pol.choose(key, rid)
+            inflight.append(rid)
+            n += 1
+            if len(inflight) > 4 * replicas:  # steady concurrency: complete the oldest
+                pol.completed(inflight.pop(0))
+    dt = time.perf_counter() - t0
+    s = pol.snapshot()
+    return {"replicas": replicas, "tracked_blocks_per_replica": tracked, "block_size": block_size,
+            "blocks_per_prompt": 1024 // block_size, "policy": policy, "decisions": n,
+            "us_per_decision": dt / n * 1e6, "decisions_per_s": n / dt, "hash_us_per_prompt": hash_us,
+            "affinity_rate": s["affinity"] / max(1, s["requests"]), "fill_seconds": fill_s}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="10k tracked blocks, fewer decisions")
+    p.add_argument("--block-size", type=int, default=16, help="16 = GPU vLLM (64 blocks per 1k prompt); CPU uses 128")
+    p.add_argument("--tracked", type=int, default=None, help="tracked blocks per replica (default 100000)")
+    p.add_argument("--decisions", type=int, default=None)
+    p.add_argument("--group", type=int, default=8, help="requests per prompt (GRPO G)")
+    args = p.parse_args(argv)
+    tracked = args.tracked or (10_000 if args.quick else 100_000)
+    decisions = args.decisions or (4_000 if args.quick else 40_000)
+    rows = []
+    print(f"{'replicas':>8} {'policy':>11} {'blocks':>6} {'tracked/rep':>11} {'us/decision':>11} "
+          f"{'decisions/s':>11} {'hash us':>8} {'affinity':>8}")
+    for replicas in (2, 8, 64):
+        for policy in ("prefix", "round_robin"):
+            r = bench(replicas, tracked, args.block_size, decisions, args.group, policy)
+            rows.append(r)
+            print(f"{r['replicas']:>8} {policy:>11} {r['blocks_per_prompt']:>6} {tracked:>11} "
+                  f"{r['us_per_decision']:>11.1f} {r['decisions_per_s']:>11.0f} {r['hash_us_per_prompt']:>8.1f} "
+                  f"{r['affinity_rate']:>8.3f}", flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    meta = {"python": sys.version.split()[0], "quick": args.quick, "group": args.group,
+            "prompt_tokens": 1024, "note": "single thread; decision = PrefixPolicy.choose + completion bookkeeping"}
+    (OUT / "router_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for policy in ("prefix", "round_robin"):
+            pts = [r for r in rows if r["policy"] == policy]
+            ax.plot([r["replicas"] for r in pts], [r["us_per_decision"] for r in pts], "o-", label=policy)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("replicas")
+        ax.set_ylabel("µs per routing decision")
+        ax.set_title(f"1k-token prompts, {rows[0]['blocks_per_prompt']} blocks, {tracked:,} tracked blocks/replica")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(OUT / "router_overhead.png", dpi=120)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    print(f"wrote {OUT / 'router_overhead.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""Assemble and start the Serve application: the Router ingress in front of R vLLM replicas, and the
+`python -m app serve` command that serves a model (and optionally a saved adapter) until interrupted."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from common.config import Config
+from serve_deployments.ingress import ADMIN_TOKEN_ENV, Router
+
+logger = logging.getLogger(__name__)
+
+
+def router_config(cfg: Config) -> RequestRouterConfig | None:
+    """router.policy -> the replica deployment's request router; None = Serve's built-in one."""
+    if cfg.router.policy == "serve_default":
+        return None
+    return RequestRouterConfig(
+        request_router_class="serve_deployments.request_router:PrefixAwareRouter",
+        request_router_kwargs={"policy": cfg.router.policy, "imbalance": cfg.router.imbalance,
+                               "max_tracked_blocks": cfg.router.max_tracked_blocks})
+
+
+def build_app(cfg: Config, registry_name: str, registry_namespace: str) -> serve.Application:
+    from serve_deployments.engine_config import engine_kwargs, replica_options
+    from serve_deployments.replica import RolloutReplica
+
+    opts = replica_options(cfg)
+    rrc = router_config(cfg)
+    if rrc is not None:
+        opts["request_router_config"] = rrc
+    replica = RolloutReplica.options(**opts).bind(engine_kwargs(cfg), registry_name, registry_namespace,
+                                                  cfg.max_loras)
+    token = cfg.rollout.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+    ingress = Router.options(ray_actor_options={
+        "num_cpus": 0.1, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}})
+    return ingress.bind(replica, str(cfg.model.path), cfg.rollout.replicas, registry_name, registry_namespace, token)
+
+
+def start_service(cfg: Config, registry_name: str | None = None, registry_namespace: str | None = None,
+                  registry=None) -> serve.handle.DeploymentHandle:
+    """Run the app (name rollout.app_name, route prefix "/", HTTP on rollout.http_port) and attach the
+    registry to it, so publishes load on every replica. Returns the ingress handle."""
+    from app.registry import NAMESPACE, REGISTRY_NAME, get_or_create_registry
+
+    import ray
+
+    registry_name = registry_name or REGISTRY_NAME
+    registry_namespace = registry_namespace or NAMESPACE
+    if registry is None:
+        registry = (get_or_create_registry() if (registry_name, registry_namespace) == (REGISTRY_NAME, NAMESPACE)
+                    else ray.get_actor(registry_name, namespace=registry_namespace))
+    # No-op (with a warning) when Serve already runs, e.g. on another port in tests.
+    serve.start(http_options={"host": "0.0.0.0", "port": cfg.rollout.http_port})
+    handle = serve.run(build_app(cfg, registry_name, registry_namespace), name=cfg.rollout.app_name,
+                       route_prefix="/")
+    ray.get(registry.attach_router.remote(cfg.rollout.app_name))
+    return handle
+
+
+def wait_healthy(handle, timeout_s: float = 300.0) -> dict:
+    """Block until every replica is ready and holds every live version."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready, body = handle.health.remote().result()
+        if ready:
+            return body
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"service not healthy after {timeout_s:.0f}s: {body}")
+        time.sleep(0.5)
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """`python -m app serve --model DIR [--adapter DIR] [--replicas N] [--port 8000]`."""
+    p = argparse.ArgumentParser(prog="python -m app serve", description=(
+        "Serve a model (and optionally a saved PEFT adapter as policy-v1 / policy-latest) behind the "
+        "OpenAI-compatible prefix-aware router until interrupted."))
+    p.add_argument("--model", required=True, help="HF model directory")
+    p.add_argument("--adapter", help="saved PEFT adapter directory, published as policy-v1")
+    p.add_argument("--replicas", type=int, default=None, help="vLLM replicas (default rollout.replicas)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default rollout.http_port)")
+    p.add_argument("--config", help="YAML config for the rest (engine, router, admin token)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--address", default=None, help="Ray cluster to join (default: running cluster or new local)")
+    args = p.parse_args(argv)
+
+    import ray
+
+    from app.registry import get_or_create_registry
+    from common import config as config_mod
+    from common.adapter_io import make_meta, read_peft_dir
+
+    sets = list(args.set) + [f"model.path={args.model}", "model.build_tiny=false"]
+    if args.replicas is not None:
+        sets.append(f"rollout.replicas={args.replicas}")
+    if args.port is not None:
+        sets.append(f"rollout.http_port={args.port}")
+    cfg = config_mod.load(args.config, sets)
+    payload = None
+    if args.adapter:  # read before starting anything: a bad directory fails fast
+        tensors, peft_cfg = read_peft_dir(args.adapter)
+        payload = (tensors, make_meta(tensors, peft_cfg, kind="adapter", source=str(args.adapter)))
+
+    address = args.address or cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
+    ray.init(address=address or None, ignore_reinit_error=True)
+    registry = get_or_create_registry()
+    handle = start_service(cfg, registry=registry)
+    if payload is not None:
+        version = ray.get(registry.latest_version.remote()) + 1
+        ray.get(registry.publish.remote(version, ray.put(payload[0]), payload[1]))
+        print(f"published {args.adapter} as policy-v{version} (policy-latest)", flush=True)
+    body = wait_healthy(handle)
+    print(f"serving {cfg.model.path} on http://127.0.0.1:{cfg.rollout.http_port}/v1 "
+          f"({body['replicas']} replicas, live: {body['live'] or 'base only'}); Ctrl-C to stop", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+    finally:
+        serve.delete(cfg.rollout.app_name)
+    return 0
