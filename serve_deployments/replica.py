@@ -1,0 +1,427 @@
+"""RolloutReplica: one Ray Serve replica running one vLLM AsyncLLM with LoRA adapters.
+
+Protocol (DESIGN.md section 2), this replica's side:
+- Adapters arrive by version from the AdapterRegistry, are verified (digest, shapes against the base
+  model) and written as PEFT dirs on tmpfs, then `add_lora`-ed before any request names them.
+- Start/restart: every live version is loaded in `__init__`, before Serve marks the replica healthy.
+- A request holds its version's slot until its last token; eviction only takes idle versions.
+- A version the replica lacks is loaded on demand from the registry, else the request fails clearly;
+  a policy name is never served by the base model.
+- Merge mode: `update_weights(N)` reloads full weights in place; the base model then IS policy-vN and
+  older versions fail clearly.
+
+All methods are async and run on Serve's user event loop, so bookkeeping between awaits is atomic.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+from pathlib import Path
+
+import ray
+from ray import serve
+
+from common.adapter_io import AdapterError
+from common.types import POLICY_LATEST, lora_int_id, parse_policy_name, policy_name
+from serve_deployments.adapter_slots import AdapterSlots, SlotsFullError
+from serve_deployments.adapter_store import (BaseModelShapes, remove_dir, scratch_root, verify_adapter,
+                                             verify_merged, write_adapter_dir)
+
+log = logging.getLogger("ray.serve")
+
+BASE_NAME = "base"
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+class ReplicaError(ValueError):
+    """A request or load this replica refuses, with the HTTP status the ingress should answer."""
+
+    def __init__(self, message: str, status_code: int = 400):
+        super().__init__(message)
+        self.status_code = status_code
+
+    def to_dict(self) -> dict:
+        return error_dict(str(self), self.status_code)
+
+
+def error_dict(message: str, status_code: int, err_type: str | None = None) -> dict:
+    """OpenAI-style error body plus the status code the ingress answers with."""
+    err_type = err_type or ("NotFoundError" if status_code == 404 else "BadRequestError"
+                            if status_code < 500 else "InternalServerError")
+    return {"error": {"message": message, "type": err_type, "param": None, "code": status_code},
+            "status_code": status_code}
+
+
+class _PrefixCacheCounter:
+    """vLLM's own prefix-cache counters (the ones behind `vllm:prefix_cache_hits/queries`), summed
+    from the scheduler stats the engine reports; one per replica process."""
+
+    def __init__(self):
+        self.hits = 0
+        self.queries = 0
+
+    def factory(self, vllm_config, engine_index: int = 0):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        counter = self
+
+        class Logger(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                if scheduler_stats is not None:
+                    counter.hits += scheduler_stats.prefix_cache_stats.hits
+                    counter.queries += scheduler_stats.prefix_cache_stats.queries
+
+            def log_engine_initialized(self):
+                pass
+
+        return Logger(vllm_config, engine_index)
+
+
+@serve.deployment
+class RolloutReplica:
+    async def __init__(self, engine: dict, registry_name: str, registry_namespace: str, max_loras: int):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        t0 = time.perf_counter()
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # constructed outside Serve (unit use)
+            self.replica_id = uuid.uuid4().hex[:8]
+        self._registry = ray.get_actor(registry_name, namespace=registry_namespace)
+        self._model = engine["model"]
+        self._max_loras = max_loras
+        self._max_rank = int(engine.get("max_lora_rank", 16))
+        self._prefix = _PrefixCacheCounter()
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine), stat_loggers=[self._prefix.factory])
+        self.block_size = int(self.engine.vllm_config.cache_config.block_size)
+        self.max_model_len = int(self.engine.model_config.max_model_len)
+        self.engine_start_s = time.perf_counter() - t0
+
+        self._shapes = BaseModelShapes(self._model)
+        self._scratch = scratch_root(f"replica-{self.replica_id}")
+        self._slots = AdapterSlots(max_loras)
+        self._load_lock = asyncio.Lock()  # one slot change at a time: choose victim, load, register
+        self._open = asyncio.Event()  # cleared while merged weights are swapped in
+        self._open.set()
+        self._base_version = 0  # what the engine's base weights are: 0 = the original model
+        self.add_lora_ms: list[float] = []
+        self._init_openai()
+        await self._load_live_versions()
+        log.info("replica %s ready in %.1fs (engine %.1fs), versions %s, block size %d", self.replica_id,
+                 time.perf_counter() - t0, self.engine_start_s, self._slots.versions(), self.block_size)
+
+    def _init_openai(self):
+        """vLLM's own OpenAI serving classes over this engine: schema, validation, logprobs, SSE."""
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+        from vllm.entrypoints.openai.models.protocol import BaseModelPath
+        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+        from vllm.renderers.online_renderer import OnlineRenderer
+
+        names = [BASE_NAME] + ([Path(self._model).name] if Path(self._model).name != BASE_NAME else [])
+        self._models = OpenAIServingModels(self.engine, [BaseModelPath(name=n, model_path=self._model) for n in names])
+        renderer = OnlineRenderer(model_config=self.engine.model_config, renderer=self.engine.renderer,
+                                  request_logger=None, chat_template=None, chat_template_content_format="auto")
+        self._completion = OpenAIServingCompletion(self.engine, self._models, online_renderer=renderer,
+                                                   request_logger=None)
+        self._chat = OpenAIServingChat(self.engine, self._models, "assistant", online_renderer=renderer,
+                                       request_logger=None, chat_template=None, chat_template_content_format="auto")
+
+    async def _load_live_versions(self):
+        """Start/restart: serve every live version before taking traffic (newest first if they
+        outnumber the slots; merged payloads set the base weights instead)."""
+        live = sorted(await self._registry.live_versions.remote())
+        metas = {v: (await self._registry.get.remote(v))["meta"] for v in live}
+        merged = [v for v in live if metas[v].get("kind") == "merged"]
+        if merged:
+            await self.update_weights(max(merged))
+        adapters = [v for v in live if metas[v].get("kind", "adapter") == "adapter" and v > self._base_version]
+        for v in adapters[-self._max_loras:]:
+            await self.load_adapter(v)
+
+    # ------------------------------------------------------------------ adapters
+
+    async def load_adapter(self, version: int) -> dict:
+        """Fetch, verify, write and `add_lora` one version; idempotent. On a bad payload raises
+        ReplicaError and leaves every loaded version serving."""
+        version = int(version)
+        if version < 1:
+            raise ReplicaError(f"policy versions start at 1, got {version}")
+        if self._slots.is_loaded(version):
+            return {"version": version, "loaded": True, "already": True, "replica_id": self.replica_id}
+        async with self._load_lock:
+            if self._slots.is_loaded(version):
+                return {"version": version, "loaded": True, "already": True, "replica_id": self.replica_id}
+            return await self._load_locked(version)
+
+    async def _load_locked(self, version: int) -> dict:
+        from vllm.lora.request import LoRARequest
+
+        if self._base_version and version <= self._base_version:
+            raise ReplicaError(f"{policy_name(version)} predates the merged weights of "
+                               f"{policy_name(self._base_version)} this replica serves as its base model", 410)
+        t0 = time.perf_counter()
+        tensors, meta = await self._fetch(version)
+        try:
+            verify_adapter(tensors, meta, self._shapes, self._max_rank)
+            self._slots.check_digest(version, meta["sha256"])
+        except (AdapterError, ValueError) as e:
+            raise ReplicaError(f"{policy_name(version)} rejected: {e}", 422) from e
+        try:
+            victim = self._slots.victim()
+        except SlotsFullError as e:
+            raise ReplicaError(str(e), 503) from e
+        if victim is not None:
+            await self._evict(victim)
+        name = policy_name(version)
+        path = write_adapter_dir(tensors, meta, self._scratch, f"{name}-{meta['sha256'][:12]}")
+        req = LoRARequest(name, lora_int_id(version), str(path))
+        t1 = time.perf_counter()
+        try:
+            await self.engine.add_lora(req)
+        except Exception as e:
+            remove_dir(path)
+            raise ReplicaError(f"{name} rejected by the engine: {e}", 422) from e
+        self.add_lora_ms.append((time.perf_counter() - t1) * 1e3)
+        self._slots.add(version, str(path), meta["sha256"])
+        self._models.lora_requests[name] = req  # visible to the OpenAI serving classes
+        return {"version": version, "loaded": True, "already": False, "replica_id": self.replica_id,
+                "evicted": victim, "seconds": time.perf_counter() - t0, "add_lora_ms": self.add_lora_ms[-1]}
+
+    async def _fetch(self, version: int) -> tuple[dict, dict]:
+        try:
+            entry = await self._registry.get.remote(version)
+        except Exception as e:
+            raise ReplicaError(f"{policy_name(version)} is not loaded here and the registry does not hold it "
+                               f"({_root_message(e)})", 404) from e
+        tensors = await entry["ref"][0]
+        return tensors, entry["meta"]
+
+    async def _evict(self, version: int) -> None:
+        """Only called for a version with nothing in flight, under the load lock."""
+        path = self._slots.remove(version)  # before any await: no request can take it meanwhile
+        self._models.lora_requests.pop(policy_name(version), None)
+        await self.engine.remove_lora(lora_int_id(version))
+        if path:
+            remove_dir(path)
+
+    async def unload_adapter(self, version: int) -> bool:
+        """Drop a version if it is loaded and idle; False if absent, ReplicaError if in use."""
+        version = int(version)
+        async with self._load_lock:
+            if not self._slots.is_loaded(version):
+                return False
+            if self._slots.inflight[version]:
+                raise ReplicaError(f"{policy_name(version)} has {self._slots.inflight[version]} requests in flight", 409)
+            await self._evict(version)
+            return True
+
+    @asynccontextmanager
+    async def _hold(self, version: int):
+        """Admit one request on `version`: wait out a weight swap, load on demand, hold the slot."""
+        await self._open.wait()
+        if version == self._base_version:
+            lora = None
+        elif version == 0 or version < self._base_version:
+            raise ReplicaError(f"{_vname(version)} is no longer served: this replica's base weights are merged "
+                               f"{policy_name(self._base_version)}", 410)
+        else:
+            if not self._slots.is_loaded(version):
+                await self.load_adapter(version)
+            # No await between the check above and acquire: eviction cannot slip in.
+            if not self._slots.is_loaded(version):
+                raise ReplicaError(f"{policy_name(version)} was evicted while loading; retry", 503)
+            lora = self._models.lora_requests[policy_name(version)]
+        self._slots.acquire(version)
+        try:
+            yield lora
+        finally:
+            self._slots.release(version)
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, req: dict) -> dict:
+        """Token ids in, sampled token ids + per-token behaviour logprobs out (rollout path)."""
+        from vllm import SamplingParams
+
+        version = int(req.get("version", 0))
+        s = dict(req.get("sampling") or {})
+        params = SamplingParams(max_tokens=int(s.get("max_tokens", 16)), temperature=float(s.get("temperature", 1.0)),
+                                top_p=float(s.get("top_p", 1.0)), seed=s.get("seed"),
+                                logprobs=0 if s.get("logprobs", True) else None)
+        prompt_ids = list(req["prompt_token_ids"])
+        request_id = str(req.get("request_id") or uuid.uuid4().hex)
+        async with self._hold(version) as lora:
+            final = None
+            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id,
+                                                  lora_request=lora):
+                final = out
+        c = final.outputs[0]
+        logprobs = [float(lp[t].logprob) for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else []
+        return {"token_ids": list(c.token_ids), "logprobs": logprobs, "text": c.text,
+                "finish_reason": c.finish_reason, "version": version, "prompt_token_ids": prompt_ids,
+                "replica_id": self.replica_id}
+
+    def _resolve_model(self, model: str | None) -> int:
+        if model in (None, "", BASE_NAME, Path(self._model).name, self._model):
+            return self._base_version
+        if model == POLICY_LATEST:
+            if not self._slots.loaded:
+                if self._base_version:
+                    return self._base_version
+                raise ReplicaError("policy-latest: no policy version is loaded yet", 404)
+            return max(self._slots.loaded)
+        v = parse_policy_name(model)
+        if v is None:
+            raise ReplicaError(f"The model `{model}` does not exist. Use `{BASE_NAME}`, `policy-vN` or "
+                               f"`{POLICY_LATEST}`.", 404)
+        return v
+
+    async def _openai_call(self, path: str, body: dict):
+        """Validate with vLLM's request models and run vLLM's serving class; returns (version, result)."""
+        from pydantic import ValidationError
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        if path not in ROUTES:
+            raise ReplicaError(f"unknown route {path}; this replica serves {', '.join(ROUTES)}", 404)
+        version = self._resolve_model(body.get("model"))
+        body = dict(body, model=BASE_NAME if version == self._base_version else policy_name(version))
+        try:
+            request = (CompletionRequest if path == ROUTES[0] else ChatCompletionRequest).model_validate(body)
+        except ValidationError as e:
+            raise ReplicaError(str(e), 400) from e
+        return version, request
+
+    async def openai(self, path: str, body: dict) -> dict:
+        """Non-streaming OpenAI completion / chat completion; errors come back as a dict."""
+        requested = body.get("model")
+        try:
+            version, request = await self._openai_call(path, dict(body, stream=False))
+            async with self._hold(version):
+                serving = self._completion if path == ROUTES[0] else self._chat
+                result = await (serving.create_completion(request) if path == ROUTES[0]
+                                else serving.create_chat_completion(request))
+        except ReplicaError as e:
+            return e.to_dict()
+        return self._openai_result(result, requested, version)
+
+    def _openai_result(self, result, requested, version) -> dict:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        if isinstance(result, ErrorResponse):
+            return error_dict(result.error.message, result.error.code, result.error.type)
+        out = result.model_dump(mode="json", exclude_none=True)
+        out["model"] = requested or out.get("model")
+        out["version"] = version
+        out["replica_id"] = self.replica_id
+        return out
+
+    async def openai_stream(self, path: str, body: dict):
+        """Streaming variant: yields SSE lines (`data: {...}\\n\\n`, last `data: [DONE]\\n\\n`)."""
+        import json
+
+        try:
+            version, request = await self._openai_call(path, dict(body, stream=True))
+        except ReplicaError as e:
+            yield f"data: {json.dumps(e.to_dict())}\n\n"
+            return
+        try:
+            async with self._hold(version):
+                serving = self._completion if path == ROUTES[0] else self._chat
+                result = await (serving.create_completion(request) if path == ROUTES[0]
+                                else serving.create_chat_completion(request))
+                if not hasattr(result, "__aiter__"):
+                    yield f"data: {json.dumps(self._openai_result(result, body.get('model'), version))}\n\n"
+                    return
+                async for chunk in result:
+                    yield chunk
+        except ReplicaError as e:
+            yield f"data: {json.dumps(e.to_dict())}\n\n"
+
+    # ------------------------------------------------------------------ control
+
+    async def pause(self) -> None:
+        """Hold generation: running requests freeze, new ones queue, until resume()."""
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self.engine.resume_generation()
+
+    async def update_weights(self, version: int) -> dict:
+        """Merge mode: make policy-vN's merged full weights the engine's base weights."""
+        from safetensors.torch import save_file
+
+        version = int(version)
+        if version == self._base_version:
+            return {"version": version, "already": True, "replica_id": self.replica_id}
+        if version < self._base_version:
+            raise ReplicaError(f"{policy_name(version)} is older than the merged {policy_name(self._base_version)}", 409)
+        t0 = time.perf_counter()
+        tensors, meta = await self._fetch(version)
+        try:
+            verify_merged(tensors, meta, self._shapes)
+        except AdapterError as e:
+            raise ReplicaError(f"{policy_name(version)} merged weights rejected: {e}", 422) from e
+        path = self._scratch / f"merged-{policy_name(version)}.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+        del tensors
+        async with self._load_lock:
+            # No request may run across the swap: close admission, let in-flight ones finish.
+            self._open.clear()
+            try:
+                while self._slots.ongoing():
+                    await asyncio.sleep(0.01)
+                await self.engine.collective_rpc("load_merged_weights", args=(str(path),))
+                # Adapters were deltas on the old base; reload_weights also dropped the runner's LoRA state.
+                for v in list(self._slots.loaded):
+                    await self._evict(v)
+                await self.engine.reset_prefix_cache()
+                self._base_version = version
+            finally:
+                self._open.set()
+                path.unlink(missing_ok=True)
+        return {"version": version, "already": False, "replica_id": self.replica_id,
+                "seconds": time.perf_counter() - t0}
+
+    # ------------------------------------------------------------------ introspection
+
+    async def stats(self) -> dict:
+        return {"replica_id": self.replica_id, "ongoing": self._slots.ongoing(), "versions": self._slots.versions(),
+                "inflight_by_version": dict(self._slots.inflight), "prefix_cache_hits": self._prefix.hits,
+                "prefix_cache_queries": self._prefix.queries, "block_size": self.block_size,
+                "base_version": self._base_version, "engine_start_s": self.engine_start_s,
+                "add_lora_ms": list(self.add_lora_ms[-16:]), "pid": os.getpid()}
+
+    async def engine_info(self) -> dict:
+        return {"block_size": self.block_size, "max_model_len": self.max_model_len, "model": self._model,
+                "max_loras": self._max_loras}
+
+    async def check_health(self) -> None:
+        """Serve restarts the replica when the engine died (e.g. an error inside a step)."""
+        await self.engine.check_health()
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+        if getattr(self, "_scratch", None) is not None:
+            remove_dir(self._scratch)
+
+
+def _vname(version: int) -> str:
+    return "the base model (version 0)" if version == 0 else policy_name(version)
+
+
+def _root_message(e: Exception) -> str:
+    cause = getattr(e, "cause", None) or e
+    return str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
