@@ -1,0 +1,137 @@
+"""The per-worker loop under torchrun (2 processes, gloo, real DeepSpeed + PEFT): only LoRA moves,
+resume is bit-identical, the PEFT export reproduces the trainer's logits."""
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _train_helpers import read_steps, run_torchrun, small_config, tiny_model  # noqa: E402
+
+from common.config import ConfigError  # noqa: E402
+
+COMPILE_LINES = re.compile(r"ninja|Building extension|built successfully|Emitting ninja", re.I)
+
+
+def load(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def hf_name(peft_name: str) -> str:
+    return peft_name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def initial_lora(cfg) -> dict:
+    from train_loops.lora import build_lora_model
+
+    return {n: p.detach().clone() for n, p in build_lora_model(cfg).named_parameters() if "lora_" in n}
+
+
+def assert_only_lora_changed(full: dict, model_dir: Path, cfg) -> None:
+    base = load(model_dir / "model.safetensors")
+    frozen = {hf_name(n): t for n, t in full.items() if "lora_" not in n}
+    assert set(base) <= set(frozen), set(base) - set(frozen)
+    for name, t in base.items():
+        assert torch.equal(frozen[name], t), f"base weight {name} changed"
+    init = initial_lora(cfg)
+    assert set(init) == {n for n in full if "lora_" in n}
+    moved = [n for n in init if not torch.equal(init[n], full[n])]
+    assert len(moved) == len(init), f"LoRA tensors that did not move: {set(init) - set(moved)}"
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tmp_path_factory):
+    """4 straight steps, ZeRO-2, checkpoints at 2 and 4."""
+    root = tmp_path_factory.mktemp("z2")
+    model = tiny_model(root / "tiny")
+    cfg = small_config(model, train={"total_steps": 4, "zero_stage": 2}, checkpoint={"every": 2})
+    out = run_torchrun({"config": cfg.to_dict(), "batch_source": "synthetic", "checkpoint_dir": str(root / "ck"),
+                        "dump_dir": str(root / "dump")}, root)
+    return root, model, cfg, out
+
+
+@pytest.mark.slow
+def test_zero2_only_lora_params_change(zero2_run):
+    root, model, cfg, out = zero2_run
+    assert not COMPILE_LINES.search(out), "DeepSpeed compiled an op on CPU"
+    assert_only_lora_changed(load(root / "dump" / "full_state.safetensors"), model, cfg)
+    steps = read_steps(root / "dump")
+    assert [s["version"] for s in steps] == [1, 2, 3, 4]
+    for key in ("loss", "clip_frac", "entropy", "grad_norm", "log_ratio_abs_mean", "log_ratio_abs_max",
+                "train_tokens_per_s", "publish_seconds", "adapter_bytes", "reward_mean", "reward_std"):
+        assert key in steps[0], key
+
+
+@pytest.mark.slow
+def test_resume_is_bit_identical(zero2_run):
+    root, model, cfg, _ = zero2_run
+    run_torchrun({"config": cfg.to_dict(), "batch_source": "synthetic", "checkpoint_dir": str(root / "ck2"),
+                  "dump_dir": str(root / "dump2"), "resume_from": str(root / "ck" / "checkpoint_000002")}, root)
+    straight = load(root / "ck" / "checkpoint_000004" / "adapter" / "adapter_model.safetensors")
+    resumed = load(root / "ck2" / "checkpoint_000004" / "adapter" / "adapter_model.safetensors")
+    assert straight.keys() == resumed.keys()
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+    a, b = load(root / "dump" / "full_state.safetensors"), load(root / "dump2" / "full_state.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [s["step"] for s in read_steps(root / "dump2")] == [3, 4]
+    assert [s["version"] for s in read_steps(root / "dump2")] == [3, 4]
+    assert (read_steps(root / "dump2")[-1]["loss"] == read_steps(root / "dump")[-1]["loss"])
+
+
+@pytest.mark.slow
+def test_peft_export_reloads_with_the_trainers_logits(zero2_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from train_loops.lora import build_lora_model
+
+    root, model, cfg, _ = zero2_run
+    trainer = build_lora_model(cfg)
+    res = trainer.load_state_dict(load(root / "dump" / "full_state.safetensors"), strict=False)
+    assert res.missing_keys == ["base_model.model.lm_head.weight"] and not res.unexpected_keys  # tied to embeddings
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    reloaded = PeftModel.from_pretrained(base, root / "ck" / "checkpoint_000004" / "adapter")
+    ids = torch.randint(3, 99, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = trainer(ids).logits, reloaded(ids).logits
+    assert torch.allclose(want, got, atol=1e-6)
+    with torch.no_grad(), reloaded.disable_adapter():
+        assert not torch.allclose(reloaded(ids).logits, got, atol=1e-4)  # the adapter does something
+
+
+@pytest.mark.slow
+def test_zero3_kl_tis_grad_accum_only_lora_changes(tmp_path):
+    model = tiny_model(tmp_path / "tiny")
+    cfg = small_config(model, train={"zero_stage": 3, "grad_accum": 2, "total_steps": 2},
+                       grpo={"kl_coef": 0.1, "tis_cap": 2.0, "loss_agg": "seq-mean-token-sum"},
+                       lora={"target_modules": ["q_proj", "v_proj", "up_proj"]})
+    # persistence threshold 0: really partition even the tiny model's small tensors
+    out = run_torchrun({"config": cfg.to_dict(), "batch_source": "synthetic", "checkpoint_dir": str(tmp_path / "ck"),
+                        "dump_dir": str(tmp_path / "dump"),
+                        "ds_overrides": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}, tmp_path)
+    assert not COMPILE_LINES.search(out), "DeepSpeed compiled an op on CPU"
+    full = load(tmp_path / "dump" / "full_state.safetensors")
+    assert_only_lora_changed(full, model, cfg)
+    steps = read_steps(tmp_path / "dump")
+    assert steps[-1]["kl"] > 0 and "tis_weight_mean" in steps[-1]
+    adapter = load(tmp_path / "ck" / "checkpoint_000002" / "adapter" / "adapter_model.safetensors")
+    for k, v in adapter.items():  # the gathered export equals the live (gathered) weights
+        assert torch.equal(v, full[k.replace(".weight", ".default.weight")]), k
+
+
+def test_unknown_target_module_is_a_clear_config_error(tmp_path):
+    from train_loops.lora import build_lora_model
+
+    cfg = small_config(tiny_model(tmp_path / "tiny"), lora={"target_modules": ["q_proj", "qkv_proj"]})
+    with pytest.raises(ConfigError) as e:
+        build_lora_model(cfg)
+    msg = str(e.value)
+    assert "lora.target_modules" in msg and "'qkv_proj'" in msg
+    for valid in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        assert valid in msg
+    assert "lm_head" not in msg
