@@ -37,8 +37,16 @@ def build_tokenizer():
 
 
 def build_tiny_model(out: str | Path, seed: int = 0, hidden: int = 128, layers: int = 2,
-                     heads: int = 4, kv_heads: int = 2, intermediate: int = 384) -> Path:
-    """Write config, weights (safetensors, float32), tokenizer and generation config to `out`."""
+                     heads: int = 2, kv_heads: int = 1, intermediate: int = 384,
+                     pretrain_steps: int = 200) -> Path:
+    """Write config, weights (safetensors, float32), tokenizer and generation config to `out`.
+
+    Weights: random (embeddings N(0, 1), matrices N(0, 0.1): a large token signal lets so small a model
+    learn to copy a token within a few hundred steps), then `pretrain_steps` of a generic skill:
+    answer with one of the capital letters that appear in the user's message. That makes it a weak
+    base model for the `letters` task (base success ~25%, like the 20-80% of real RL recipes): it knows
+    to answer with a capital from the prompt, not which one the prompt names; GRPO teaches that.
+    """
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -54,20 +62,67 @@ def build_tiny_model(out: str | Path, seed: int = 0, hidden: int = 128, layers: 
         torch_dtype="float32",
     )
     assert hidden // heads in (32, 64, 80, 96, 112, 128, 256), "vLLM CPU attention head sizes"
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():  # re-draw every tensor from our generator: independent of HF init order
-        for name, p in sorted(model.named_parameters()):
-            if p.ndim == 1:
-                p.fill_(1.0 if "norm" in name else 0.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bit-reproducible reductions
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        model = Qwen2ForCausalLM(cfg)
+        with torch.no_grad():  # every tensor drawn from our generator: independent of HF's init order
+            for name, p in sorted(model.named_parameters()):
+                if p.ndim == 1:
+                    p.fill_(1.0 if "norm" in name else 0.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if "embed" in name else 0.1))
+        _pretrain(model, tok, seed, pretrain_steps)
+    finally:
+        torch.set_num_threads(threads)
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=True).save_pretrained(out)
-    (out / "TINY_MODEL.json").write_text(json.dumps({"seed": seed, "params": model.num_parameters()}))
+    (out / "TINY_MODEL.json").write_text(json.dumps({"seed": seed, "params": model.num_parameters(),
+                                                     "pretrain_steps": pretrain_steps}))
     return out
+
+
+def _pretrain(model, tok, seed: int, steps: int, batch: int = 32, lr: float = 3e-3) -> None:
+    """Generic skill: reply with one capital letter that occurs in the user's message."""
+    import random
+    import string
+
+    import torch
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    start_ids = tok("<|im_start|>assistant\n")["input_ids"]
+    model.train()
+    for _ in range(steps):
+        texts = []
+        for _ in range(batch):
+            caps = rng.sample(string.ascii_uppercase, rng.randint(1, 4))
+            words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 6)))
+                     for _ in range(rng.randint(2, 5))] + caps
+            rng.shuffle(words)
+            texts.append(tok.apply_chat_template(
+                [{"role": "user", "content": " ".join(words)}, {"role": "assistant", "content": rng.choice(caps)}],
+                tokenize=False))
+        enc = tok(texts, return_tensors="pt", padding=True)
+        labels = enc["input_ids"].clone()
+        labels[enc["attention_mask"] == 0] = -100
+        for i, ids in enumerate(enc["input_ids"].tolist()):  # learn only the assistant's reply
+            labels[i, : _find(ids, start_ids) + len(start_ids)] = -100
+        loss = model(**enc, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+def _find(ids: list[int], sub: list[int]) -> int:
+    for i in range(len(ids) - len(sub), -1, -1):
+        if ids[i:i + len(sub)] == sub:
+            return i
+    raise ValueError("assistant header not found")
 
 
 def ensure_model(path: str | Path, build_tiny: bool = True, seed: int = 0) -> Path:
