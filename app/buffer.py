@@ -1,10 +1,13 @@
-"""RolloutBuffer: the bounded queue between rollout workers and the trainer.
+"""RolloutBuffer: the bounded queue between rollout workers and the trainer, and the pacer of
+generation.
 
-Workers `put` scored groups tagged with the policy version that sampled them. The trainer's rank 0
-calls `get_batch(trainer_version, n_groups)`: groups older than `trainer_version - max_staleness` are
-dropped (and counted), the oldest acceptable groups are handed out first. Workers call
-`wait_for_room(version)` before sampling: it blocks while the buffer already holds enough samples for
-the trainer's next steps, so generation never runs more than `max_staleness` versions ahead.
+Workers `acquire()` a slot before sampling a group and `put()` it when scored. Slot k belongs to batch
+b = k // groups_per_step, and is granted only while b <= trainer_version + lead, where lead is
+`max_staleness` in async mode and 0 in sync mode (generate batch b only after version b is live).
+So rollouts never run more than `max_staleness` versions ahead, and sync and async are one mechanism.
+
+The trainer's rank 0 calls `get_batch(trainer_version, n_groups)`: groups older than
+`trainer_version - max_staleness` are dropped and counted; the oldest acceptable groups go first.
 """
 from __future__ import annotations
 
@@ -21,19 +24,35 @@ BUFFER_NAME = "rollout-buffer"
 
 @ray.remote(num_cpus=0)
 class RolloutBuffer:
-    def __init__(self, max_staleness: int, groups_per_step: int, capacity_steps: int | None = None):
+    def __init__(self, max_staleness: int, groups_per_step: int, lead: int | None = None):
         self.max_staleness = max_staleness
         self.groups_per_step = groups_per_step
-        # Enough for the steps the trainer can still accept at the current version.
-        self.capacity = groups_per_step * (capacity_steps or max(1, max_staleness + 1))
+        self.lead = max_staleness if lead is None else lead
         self._q: deque[Group] = deque()
         self._cond = asyncio.Condition()
         self.trainer_version = 0
-        self.dropped_groups = 0
-        self.dropped_samples = 0
-        self.put_groups = 0
-        self.taken_groups = 0
+        self.granted = 0  # slots handed to workers (released slots are given back)
+        self.dropped_groups = self.dropped_samples = 0
+        self.put_groups = self.taken_groups = 0
         self._closed = False
+
+    def _may_grant(self) -> bool:
+        return self.granted // self.groups_per_step <= self.trainer_version + self.lead
+
+    async def acquire(self, timeout: float | None = None) -> bool:
+        """Wait for a slot; False once the buffer is closed (training over)."""
+        async with self._cond:
+            await asyncio.wait_for(self._cond.wait_for(lambda: self._closed or self._may_grant()), timeout)
+            if self._closed:
+                return False
+            self.granted += 1
+            return True
+
+    async def release(self) -> None:
+        """Give back a slot whose group failed or was never started."""
+        async with self._cond:
+            self.granted -= 1
+            self._cond.notify_all()
 
     async def put(self, group: Group) -> None:
         async with self._cond:
@@ -41,38 +60,27 @@ class RolloutBuffer:
             self.put_groups += 1
             self._cond.notify_all()
 
-    async def wait_for_room(self, timeout: float = 60.0) -> bool:
-        """Block while the buffer is full; False when closed."""
-        async with self._cond:
-            try:
-                await asyncio.wait_for(self._cond.wait_for(lambda: self._closed or len(self._q) < self.capacity),
-                                       timeout)
-            except asyncio.TimeoutError:
-                pass
-            return not self._closed
-
-    def _drop_stale(self) -> None:
+    def _drop_stale(self) -> bool:
+        """Drop groups older than the staleness floor; their slots are given back so generation
+        replaces them. Returns True so it can sit inside a wait_for predicate."""
         floor = self.trainer_version - self.max_staleness
-        keep = deque()
-        for g in self._q:
-            if g.version < floor:
-                self.dropped_groups += 1
-                self.dropped_samples += len(g.samples)
-            else:
-                keep.append(g)
-        self._q = keep
+        stale = [g for g in self._q if g.version < floor]
+        if stale:
+            self._q = deque(g for g in self._q if g.version >= floor)
+            self.dropped_groups += len(stale)
+            self.dropped_samples += sum(len(g.samples) for g in stale)
+            self.granted -= len(stale)
+        return True
 
-    async def get_batch(self, trainer_version: int, n_groups: int, timeout: float = 600.0) -> dict:
+    async def get_batch(self, trainer_version: int, n_groups: int, timeout: float = 1800.0) -> dict:
         """Wait for `n_groups` acceptable groups and hand them out (oldest first)."""
         t0 = time.perf_counter()
         async with self._cond:
-            self.trainer_version = max(self.trainer_version, trainer_version)
-            self._drop_stale()
-            self._cond.notify_all()
-            ok = await asyncio.wait_for(
-                self._cond.wait_for(lambda: self._closed or (self._drop_stale() or len(self._q) >= n_groups)),
+            self._advance(trainer_version)
+            await asyncio.wait_for(
+                self._cond.wait_for(lambda: self._closed or (self._drop_stale() and len(self._q) >= n_groups)),
                 timeout)
-            if self._closed and len(self._q) < n_groups:
+            if len(self._q) < n_groups:
                 raise RuntimeError("rollout buffer closed before a full batch arrived")
             groups = [self._q.popleft() for _ in range(n_groups)]
             self.taken_groups += n_groups
@@ -86,16 +94,20 @@ class RolloutBuffer:
             "dropped_samples": self.dropped_samples,
         }
 
+    def _advance(self, version: int) -> None:
+        self.trainer_version = max(self.trainer_version, version)
+        self._drop_stale()
+        self._cond.notify_all()
+
     async def set_trainer_version(self, version: int) -> None:
+        """Called by the trainer after each publish: frees generation slots for the next batches."""
         async with self._cond:
-            self.trainer_version = max(self.trainer_version, version)
-            self._drop_stale()
-            self._cond.notify_all()
+            self._advance(version)
 
     async def stats(self) -> dict:
-        return {"queued": len(self._q), "put_groups": self.put_groups, "taken_groups": self.taken_groups,
-                "dropped_groups": self.dropped_groups, "dropped_samples": self.dropped_samples,
-                "trainer_version": self.trainer_version}
+        return {"queued": len(self._q), "granted": self.granted, "put_groups": self.put_groups,
+                "taken_groups": self.taken_groups, "dropped_groups": self.dropped_groups,
+                "dropped_samples": self.dropped_samples, "trainer_version": self.trainer_version}
 
     async def close(self) -> None:
         async with self._cond:

@@ -19,6 +19,9 @@ class RunMetrics:
         self.rows: list[dict] = []
         self.run_name = run_name
         self._gauges: dict = {}
+        self._gen = {"tokens": 0, "seconds": 0.0, "groups": 0, "reward_sum": 0.0}
+        self._extra: dict = {}
+        self._t_last = time.time()
 
     def _gauge(self, key: str):
         from ray.util.metrics import Gauge
@@ -28,9 +31,27 @@ class RunMetrics:
             self._gauges[key] = Gauge(name, description=f"lora-grpo {key}", tag_keys=("run",))
         return self._gauges[key]
 
+    def log_rollout(self, tokens: int, seconds: float, reward_mean: float) -> None:
+        """One call per scored group (from the rollout workers); folded into the next step's row."""
+        self._gen["tokens"] += tokens
+        self._gen["seconds"] += seconds
+        self._gen["groups"] += 1
+        self._gen["reward_sum"] += reward_mean
+
+    def set_extra(self, values: dict) -> None:
+        """Values the driver polls (router and engine stats), attached to the following rows."""
+        self._extra.update(values)
+
     def log_train(self, step: int, metrics: dict) -> None:
         """One row per optimizer step (from the trainer's rank 0)."""
-        row = {"step": int(step), "time": time.time(), **metrics}
+        now = time.time()
+        gen = self._gen
+        row = {"step": int(step), "time": now, **metrics, **self._extra,
+               "gen_groups": gen["groups"],
+               # wall-clock rate: generation runs concurrently across workers and replicas
+               "gen_tokens_per_s": gen["tokens"] / max(1e-9, now - self._t_last)}
+        self._gen = {"tokens": 0, "seconds": 0.0, "groups": 0, "reward_sum": 0.0}
+        self._t_last = now
         self.rows.append(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row, default=float) + "\n")

@@ -1,0 +1,109 @@
+"""Rollout workers: prompts -> G completions through the router -> rewards -> group advantages ->
+groups tagged with the policy version -> the rollout buffer.
+
+Every group is sampled under one version, chosen when it starts (the newest live one) and pinned for
+all G requests, so a rollout finishes under the version it started with even if newer ones go live.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import ray
+
+from common.config import Config, from_dict
+from common.types import Group, Sample
+
+
+@ray.remote(num_cpus=0)
+def _reward_task(dotted: str, completion: str, answer: str, prompt: str) -> float:
+    from app.rewards import load_reward
+
+    return load_reward(dotted)(completion, answer, prompt)
+
+
+@ray.remote(num_cpus=0)
+class RolloutWorker:
+    def __init__(self, cfg: dict, worker_id: int, rows: list[dict], buffer, metrics=None):
+        from transformers import AutoTokenizer
+
+        from app.data import Cursor, PromptStream
+        from app.rewards import load_reward
+
+        self.cfg: Config = from_dict(cfg)
+        self.worker_id = worker_id
+        self.buffer, self.metrics = buffer, metrics
+        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
+        self.reward_fn = load_reward(self.cfg.reward.fn)
+        d = self.cfg.data
+        # Workers take disjoint strides of one seeded order, so no prompt is sampled twice per epoch.
+        self.stream = PromptStream(rows[worker_id::self.cfg.rollout.workers], d.shuffle_seed + worker_id, d.epochs,
+                                   Cursor())
+        self._stop = False
+        self.groups_done = 0
+        self._router = None
+
+    def _router_handle(self):
+        if self._router is None:
+            from ray import serve
+
+            self._router = serve.get_app_handle(self.cfg.rollout.app_name)
+        return self._router
+
+    async def _score(self, texts: list[str], row: dict) -> list[float]:
+        if self.cfg.reward.where == "task":
+            refs = [_reward_task.remote(self.cfg.reward.fn, t, row["answer"], row["prompt"]) for t in texts]
+            return [float(r) for r in await asyncio.gather(*refs)]
+        return [float(self.reward_fn(t, row["answer"], row["prompt"])) for t in texts]
+
+    async def rollout_one(self, row: dict) -> Group:
+        from app.data import render_prompt
+        from train_loops.grpo import group_advantages
+
+        import torch
+
+        g = self.cfg.grpo
+        prompt_ids = render_prompt(row, self.tokenizer, self.cfg.data)
+        sampling = {"max_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p, "logprobs": True}
+        t0 = time.perf_counter()
+        comps = await self._router_handle().generate_group.remote(prompt_ids, g.group_size, None, sampling)
+        gen_s = time.perf_counter() - t0
+        versions = {c["version"] for c in comps}
+        if len(versions) != 1:  # the router pins one version per group; anything else is a bug upstream
+            raise RuntimeError(f"group sampled under several versions {sorted(versions)}")
+        rewards = await self._score([c["text"] for c in comps], row)
+        adv = group_advantages(torch.tensor([rewards]), scale_by_std=g.scale_rewards)[0].tolist()
+        version = versions.pop()
+        samples = [Sample(prompt_ids=list(prompt_ids), completion_ids=list(c["token_ids"]),
+                          behaviour_logprobs=list(c["logprobs"]), reward=r, advantage=a, version=version,
+                          prompt_id=row["id"], group_id=f"{self.worker_id}-{self.groups_done}")
+                   for c, r, a in zip(comps, rewards, adv)]
+        return Group(samples=samples, version=version, prompt_id=row["id"], gen_seconds=gen_s,
+                     gen_tokens=sum(len(c["token_ids"]) for c in comps))
+
+    async def run(self) -> int:
+        """Loop until stopped or the data runs out; returns the number of groups produced."""
+        while not self._stop:
+            if not await self.buffer.acquire.remote():
+                break  # buffer closed: training is over
+            try:
+                row = next(self.stream)
+            except StopIteration:
+                await self.buffer.release.remote()
+                break
+            try:
+                group = await self.rollout_one(row)
+            except Exception:
+                await self.buffer.release.remote()
+                raise
+            await self.buffer.put.remote(group)
+            self.groups_done += 1
+            if self.metrics is not None:
+                self.metrics.log_rollout.remote(group.gen_tokens, group.gen_seconds, sum(group.rewards) / len(group.samples))
+        return self.groups_done
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def cursor(self) -> dict:
+        return {"epoch": self.stream.cursor.epoch, "index": self.stream.cursor.index}
