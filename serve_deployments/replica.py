@@ -36,6 +36,9 @@ log = logging.getLogger("ray.serve")
 
 BASE_NAME = "base"
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+# SamplingParams fields generate() passes through besides max_tokens/temperature/top_p/seed/logprobs.
+_SAMPLING_EXTRA = ("top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty")
 
 
 class ReplicaError(ValueError):
@@ -112,6 +115,7 @@ class RolloutReplica:
         self._load_lock = asyncio.Lock()  # one slot change at a time: choose victim, load, register
         self._open = asyncio.Event()  # cleared while merged weights are swapped in
         self._open.set()
+        self._draining: set[int] = set()  # versions being unloaded: refuse new requests
         self._base_version = 0  # what the engine's base weights are: 0 = the original model
         self.add_lora_ms: list[float] = []
         self._init_openai()
@@ -214,16 +218,27 @@ class RolloutReplica:
         if path:
             remove_dir(path)
 
-    async def unload_adapter(self, version: int) -> bool:
-        """Drop a version if it is loaded and idle; False if absent, ReplicaError if in use."""
+    async def unload_adapter(self, version: int, timeout_s: float = 600.0) -> bool:
+        """Drop a version: new requests for it are refused at once, in-flight ones finish first.
+        False if it was not loaded."""
         version = int(version)
-        async with self._load_lock:
-            if not self._slots.is_loaded(version):
-                return False
-            if self._slots.inflight[version]:
-                raise ReplicaError(f"{policy_name(version)} has {self._slots.inflight[version]} requests in flight", 409)
-            await self._evict(version)
-            return True
+        if not self._slots.is_loaded(version):
+            return False
+        self._draining.add(version)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while self._slots.inflight[version]:
+                if time.monotonic() > deadline:
+                    raise ReplicaError(f"unload {policy_name(version)}: {self._slots.inflight[version]} requests "
+                                       f"still in flight after {timeout_s:.0f}s", 409)
+                await asyncio.sleep(0.01)
+            async with self._load_lock:
+                if not self._slots.is_loaded(version):
+                    return False
+                await self._evict(version)
+                return True
+        finally:
+            self._draining.discard(version)
 
     @asynccontextmanager
     async def _hold(self, version: int):
@@ -235,6 +250,8 @@ class RolloutReplica:
             raise ReplicaError(f"{_vname(version)} is no longer served: this replica's base weights are merged "
                                f"{policy_name(self._base_version)}", 410)
         else:
+            if version in self._draining:
+                raise ReplicaError(f"{policy_name(version)} is being unloaded from this replica", 410)
             if not self._slots.is_loaded(version):
                 await self.load_adapter(version)
             # No await between the check above and acquire: eviction cannot slip in.
@@ -255,9 +272,10 @@ class RolloutReplica:
 
         version = int(req.get("version", 0))
         s = dict(req.get("sampling") or {})
+        extra = {k: s[k] for k in _SAMPLING_EXTRA if k in s}
         params = SamplingParams(max_tokens=int(s.get("max_tokens", 16)), temperature=float(s.get("temperature", 1.0)),
                                 top_p=float(s.get("top_p", 1.0)), seed=s.get("seed"),
-                                logprobs=0 if s.get("logprobs", True) else None)
+                                logprobs=0 if s.get("logprobs", True) else None, **extra)
         prompt_ids = list(req["prompt_token_ids"])
         request_id = str(req.get("request_id") or uuid.uuid4().hex)
         async with self._hold(version) as lora:

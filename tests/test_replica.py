@@ -57,3 +57,176 @@ def test_adapter_matches_peft(serve_env, replica, versions):
     assert max(abs(a - b) for a, b in zip(out["logprobs"], ref_lps)) < 1e-3
     base = gen(replica, pids, 0).result()
     assert base["token_ids"] != out["token_ids"]  # the adapter visibly changes the output
+
+
+def test_base_and_two_versions_in_one_batch(serve_env, replica, versions):
+    va, vb = versions.take(2)
+    payloads = {v: make_lora_payload(serve_env.model_dir, seed=v) for v in (va, vb)}
+    for v, (t, m) in payloads.items():
+        publish(serve_env.registry, v, t, m)
+    # vb is not loaded: the replica fetches it from the registry on demand.
+    replica.load_adapter.remote(va).result()
+    pids = prompt_ids(serve_env.model_dir, "name three colours")
+    order = [0, va, vb, 0, vb, va]
+    outs = [r.result() for r in [gen(replica, pids, v) for v in order]]
+    for v, out in zip(order, outs):
+        t, m = payloads.get(v, (None, None))
+        ref, _ = peft_reference(serve_env.model_dir, t, m, pids, len(out["token_ids"]))
+        assert out["version"] == v and out["token_ids"] == ref, f"version {v}"
+    assert len({tuple(o["token_ids"]) for o in outs}) == 3
+
+
+def test_inflight_version_survives_five_loads(serve_env, replica, versions):
+    """max_loras=3: five newer versions load while a long request runs on the oldest; it is never
+    evicted and the request finishes under its own weights."""
+    import time
+
+    v_old, *newer = versions.take(6)
+    payloads = {v: make_lora_payload(serve_env.model_dir, seed=v) for v in (v_old, *newer)}
+    for v in (v_old, *newer):
+        publish(serve_env.registry, v, *payloads[v])
+    pids = prompt_ids(serve_env.model_dir, "tell me a long story")
+    long_req = gen(replica, pids, v_old, max_tokens=512 - len(pids) - 1, ignore_eos=True)
+    deadline = time.time() + 30
+    while replica.stats.remote().result()["inflight_by_version"].get(v_old, 0) == 0:
+        assert time.time() < deadline, "long request never started"
+        time.sleep(0.05)
+    for v in newer:
+        replica.load_adapter.remote(v).result()
+        st = replica.stats.remote().result()
+        assert v_old in st["versions"] and len(st["versions"]) <= 3, st
+    assert replica.stats.remote().result()["inflight_by_version"].get(v_old, 0) == 1, "loads outran the request"
+    out = long_req.result()
+    assert out["version"] == v_old and len(out["token_ids"]) == 512 - len(pids) - 1
+    ref, _ = peft_reference(serve_env.model_dir, *payloads[v_old], pids, 12)
+    assert out["token_ids"][:len(ref)] == ref
+    st = replica.stats.remote().result()
+    assert st["ongoing"] == 0 and len(st["versions"]) == 3
+
+
+def test_corrupt_payloads_rejected_previous_serves(serve_env, replica, versions):
+    import torch
+
+    v_good, v_digest, v_shape = versions.take(3)
+    good = make_lora_payload(serve_env.model_dir, seed=v_good)
+    publish(serve_env.registry, v_good, *good)
+    pids = prompt_ids(serve_env.model_dir, "hello")
+    before = gen(replica, pids, v_good).result()
+
+    t, m = make_lora_payload(serve_env.model_dir, seed=v_digest)
+    publish(serve_env.registry, v_digest, t, dict(m, sha256="0" * 64))
+    with pytest.raises(Exception, match="digest mismatch"):
+        replica.load_adapter.remote(v_digest).result()
+
+    from common.adapter_io import make_meta
+
+    t, m = make_lora_payload(serve_env.model_dir, seed=v_shape)
+    name = next(k for k in t if "lora_A" in k)
+    t[name] = torch.randn(4, t[name].shape[1])  # rank 4 where the config says 8
+    publish(serve_env.registry, v_shape, t, make_meta(t, m["peft_config"]))
+    with pytest.raises(Exception, match="shape"):
+        replica.load_adapter.remote(v_shape).result()
+    # A request naming a rejected version fails; it is never served by the base model.
+    with pytest.raises(Exception, match="rejected"):
+        gen(replica, pids, v_shape).result()
+
+    st = replica.stats.remote().result()
+    assert v_digest not in st["versions"] and v_shape not in st["versions"]
+    assert gen(replica, pids, v_good).result()["token_ids"] == before["token_ids"]
+
+
+def test_unknown_version_fails_clearly(replica):
+    with pytest.raises(Exception, match="registry does not hold it"):
+        gen(replica, [5, 6, 7], 99999).result()
+
+
+def test_openai_routes(serve_env, replica, versions):
+    import json
+
+    (v,) = versions.take()
+    publish(serve_env.registry, v, *make_lora_payload(serve_env.model_dir, seed=v))
+    replica.load_adapter.remote(v).result()
+    body = {"model": f"policy-v{v}", "prompt": "hello", "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    r = replica.openai.remote("/v1/completions", body).result()
+    assert "error" not in r, r
+    assert r["model"] == f"policy-v{v}" and len(r["choices"][0]["logprobs"]["token_logprobs"]) == 8
+    latest = replica.openai.remote("/v1/completions", dict(body, model="policy-latest")).result()
+    base = replica.openai.remote("/v1/completions", dict(body, model="base")).result()
+    st = replica.stats.remote().result()
+    assert latest["version"] == max(st["versions"]) and base["version"] == 0
+
+    chat = replica.openai.remote("/v1/chat/completions", {
+        "model": f"policy-v{v}", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+        "temperature": 0, "logprobs": True}).result()
+    assert chat["choices"][0]["message"]["role"] == "assistant" and chat["choices"][0]["logprobs"]["content"]
+
+    chunks = list(replica.options(stream=True).openai_stream.remote("/v1/completions", dict(body, stream=True)))
+    assert chunks[-1].strip() == "data: [DONE]"
+    text = "".join(json.loads(c[len("data: "):])["choices"][0]["text"] for c in chunks[:-1]
+                   if json.loads(c[len("data: "):]).get("choices"))
+    assert text == r["choices"][0]["text"]
+
+    missing = replica.openai.remote("/v1/completions", dict(body, model="nope")).result()
+    assert missing["status_code"] == 404 and "nope" in missing["error"]["message"]
+    bad = replica.openai.remote("/v1/completions", dict(body, max_tokens=-3)).result()
+    assert bad["status_code"] == 400, bad
+
+
+def test_killed_replica_restarts_with_live_versions(serve_env, replica):
+    import time
+
+    import ray
+
+    from tests._serve_helpers import replica_actor_names
+
+    live = ray.get(serve_env.registry.live_versions.remote())
+    want = sorted(live)[-3:]  # newest max_loras live versions
+    old = replica.stats.remote().result()
+    (name,) = replica_actor_names(APP)
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    deadline = time.time() + 120
+    while True:
+        try:
+            st = replica.stats.remote().result(timeout_s=10)
+            if st["replica_id"] != old["replica_id"]:
+                break
+        except Exception:
+            pass
+        assert time.time() < deadline, "replica did not come back"
+        time.sleep(0.5)
+    # It loaded every live version before taking its first request.
+    assert st["versions"] == want and st["ongoing"] == 0, (st, want)
+    pids = prompt_ids(serve_env.model_dir, "hello")
+    assert gen(replica, pids, want[-1]).result()["version"] == want[-1]
+
+
+def test_merge_mode_update_weights(serve_env, replica, versions):
+    """Last in this module: afterwards the replica's base weights are policy-vN."""
+    import ray
+
+    from tests._serve_helpers import make_merged_payload
+
+    v_ad, v_merged = versions.take(2)
+    t, m = make_lora_payload(serve_env.model_dir, seed=v_ad)
+    publish(serve_env.registry, v_ad, t, m)
+    pids = prompt_ids(serve_env.model_dir, "merge me")
+    adapter_out = gen(replica, pids, v_ad).result()
+    base_before = gen(replica, pids, 0).result()
+    assert adapter_out["token_ids"] != base_before["token_ids"]
+
+    publish(serve_env.registry, v_merged, *make_merged_payload(serve_env.model_dir, t, m))
+    try:
+        r = replica.update_weights.remote(v_merged).result()
+        assert not r["already"]
+        merged_out = gen(replica, pids, v_merged).result()
+        assert merged_out["token_ids"] == adapter_out["token_ids"]
+        assert max(abs(a - b) for a, b in zip(merged_out["logprobs"], adapter_out["logprobs"])) < 1e-3
+        base_named = replica.openai.remote("/v1/completions", {"model": "base", "prompt": "x", "max_tokens": 2}).result()
+        assert base_named["version"] == v_merged
+        with pytest.raises(Exception, match="no longer served"):
+            gen(replica, pids, v_ad).result()
+        with pytest.raises(Exception, match="no longer served"):
+            gen(replica, pids, 0).result()
+        assert replica.stats.remote().result()["versions"] == []
+    finally:
+        ray.get(serve_env.registry.retire.remote(v_merged))
