@@ -1,0 +1,142 @@
+"""`python -m app COMMAND`: train | serve | merge | tiny-model | validate | bench."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+COMMANDS = {
+    "train": "run async (or sync) LoRA GRPO: rollouts on vLLM replicas, training on Ray Train",
+    "serve": "serve a model and optionally a saved adapter behind the OpenAI-compatible router",
+    "merge": "fold a PEFT adapter into its base model, writing a standalone HF checkpoint",
+    "tiny-model": "build the embedded tiny Qwen2 model (deterministic from a seed)",
+    "validate": "load and validate a config (and its data and model) without starting anything",
+    "bench": "run a benchmark from benchmarks/ (python -m app bench NAME [args])",
+}
+
+
+def _top_help() -> str:
+    lines = ["usage: python -m app COMMAND [options]", "", "commands:"]
+    lines += [f"  {k:<11} {v}" for k, v in COMMANDS.items()]
+    lines += ["", "`python -m app COMMAND --help` for each command's options."]
+    return "\n".join(lines)
+
+
+def _train_parser(prog: str, desc: str) -> argparse.ArgumentParser:
+    from common.config import describe
+
+    p = argparse.ArgumentParser(prog=prog, description=desc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="config keys (set in the YAML file or with --set section.key=value):\n"
+                                       + describe())
+    p.add_argument("--config", help="YAML config file (recipes/*.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    return p
+
+
+def cmd_train(argv: list[str]) -> int:
+    p = _train_parser("python -m app train", COMMANDS["train"])
+    p.add_argument("--serve", action="store_true", help="keep serving the final policy after training (Ctrl-C stops)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    from common.config import ConfigError, load
+
+    from app.data import DataError
+
+    try:
+        cfg = load(args.config, args.set)
+        if args.serve:
+            cfg.run.serve_after = True
+        from app import driver
+
+        summary = driver.run(cfg, keep_serving=cfg.run.serve_after, progress=not args.no_progress)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s; reward "
+          f"{summary['reward_first_quarter']:.3f} (first quarter) -> {summary['reward_last_quarter']:.3f} (last quarter); "
+          f"adapter {summary['adapter_dir']}; run dir {cfg.run_dir}")
+    if cfg.run.serve_after:
+        import time
+
+        print(f"serving policy-latest on http://127.0.0.1:{cfg.rollout.http_port}/v1 ; Ctrl-C to stop", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def cmd_validate(argv: list[str]) -> int:
+    p = _train_parser("python -m app validate", COMMANDS["validate"])
+    args = p.parse_args(argv)
+    from common.config import ConfigError, load
+
+    from app.data import DataError
+
+    try:
+        cfg = load(args.config, args.set)
+        from app.driver import preflight
+
+        rows = preflight(cfg)
+    except (ConfigError, DataError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"ok: {len(rows)} prompts, model {cfg.model.path}, sync {cfg.sync.mode}, max_loras {cfg.max_loras}")
+    return 0
+
+
+def cmd_tiny_model(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m app tiny-model", description=COMMANDS["tiny-model"])
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from app.tiny_model import build_tiny_model
+
+    print(build_tiny_model(args.out, seed=args.seed))
+    return 0
+
+
+def cmd_merge(argv: list[str]) -> int:
+    from train_loops.merge import main
+
+    return main(argv)
+
+
+def cmd_serve(argv: list[str]) -> int:
+    from serve_deployments.app_builder import serve_main
+
+    return serve_main(argv)
+
+
+def cmd_bench(argv: list[str]) -> int:
+    import runpy
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parent.parent / "benchmarks"
+    names = sorted(p.stem.removeprefix("bench_") for p in bench_dir.glob("bench_*.py"))
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in names:
+        print("usage: python -m app bench NAME [args]\nbenchmarks: " + ", ".join(names))
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    sys.argv = [f"bench_{argv[0]}.py", *argv[1:]]
+    runpy.run_path(str(bench_dir / f"bench_{argv[0]}.py"), run_name="__main__")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_top_help())
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    fn = {"train": cmd_train, "serve": cmd_serve, "merge": cmd_merge, "tiny-model": cmd_tiny_model,
+          "validate": cmd_validate, "bench": cmd_bench}.get(cmd)
+    if fn is None:
+        print(f"unknown command {cmd!r}\n\n{_top_help()}", file=sys.stderr)
+        return 2
+    return fn(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
