@@ -1,6 +1,7 @@
 """The loop under a real Ray Train TorchTrainer (2 workers, gloo): checkpoints through ray.train.report,
-publishes into a real AdapterRegistry, logs to RunMetrics; then a resumed run pulls from a real
-RolloutBuffer (rank 0 pulls, broadcasts) and continues the version numbering."""
+publishes into a real AdapterRegistry, logs to RunMetrics, survives a killed worker by restoring the
+last checkpoint; then a resumed run in merge mode pulls from a real RolloutBuffer (rank 0 pulls,
+broadcasts) and continues the version numbering."""
 import json
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ def ray_session():
 
 
 @pytest.mark.slow
-def test_torchtrainer_checkpoints_publishes_and_resumes_from_buffer(ray_session, tmp_path):
+def test_torchtrainer_checkpoints_publishes_restores_and_resumes_from_buffer(ray_session, tmp_path):
     ray = ray_session
     from safetensors.torch import load_file
 
@@ -37,38 +38,54 @@ def test_torchtrainer_checkpoints_publishes_and_resumes_from_buffer(ray_session,
     registry = AdapterRegistry.options(name=REGISTRY_NAME, namespace=NAMESPACE).remote(keep=3)
     metrics = RunMetrics.options(name=METRICS_NAME, namespace=NAMESPACE).remote(str(tmp_path / "run"))
     model = tiny_model(tmp_path / "tiny")
-    cfg = small_config(model, train={"total_steps": 2}, checkpoint={"every": 1, "keep": 2}, run={"name": "a"})
+    cfg = small_config(model, train={"total_steps": 3}, checkpoint={"every": 1, "keep": 2}, run={"name": "a"})
 
-    result = build_trainer(cfg, tmp_path / "run", batch_source="synthetic").fit()
-    assert result.error is None
+    # rank 1 dies at the start of step 3; Ray Train restarts both workers from checkpoint_000002
+    marker = tmp_path / "failed-once"
+    result = build_trainer(cfg, tmp_path / "run", batch_source="synthetic",
+                           extra_loop_cfg={"fail_once_at": {"step": 3, "rank": 1, "marker": str(marker)}}).fit()
+    assert result.error is None and marker.exists()
     ck = Path(result.checkpoint.path)
     state = json.loads((ck / "train_state.json").read_text())
-    assert (state["step"], state["version"]) == (2, 2)
+    # 3, or 4 when the worker died before the controller registered checkpoint_000002: then the run
+    # restored checkpoint_000001 and redid step 2 under a new version (versions are never reused)
+    v = state["version"]
+    assert state["step"] == 3 and v in (3, 4)
+    assert state["consumed_groups"] == 3 * 4
     assert {p.name for p in (ck / "ds").iterdir()} >= {"zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                                          "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
-    assert ray.get(registry.latest_version.remote()) == 2
-    got = ray.get(registry.get.remote(2))
+    assert ray.get(registry.latest_version.remote()) == v
+    got = ray.get(registry.get.remote(v))
     exported = load_file(str(ck / "adapter" / "adapter_model.safetensors"))
     assert got["meta"]["kind"] == "adapter" and got["meta"]["sha256"] == tensors_digest(exported)
     assert got["meta"]["peft_config"]["r"] == 4
     rows = ray.get(metrics.get_rows.remote())
-    assert [r["step"] for r in rows] == [1, 2] and all(r["published"] == 1 for r in rows)
+    assert rows[-1]["step"] == 3 and all(r["published"] == 1 for r in rows)
+    assert [r["version"] for r in rows] == list(range(1, v + 1))
 
-    # Resume into buffer mode: rank 0 pulls one step's groups, broadcasts; version continues at 3.
+    # Resume in buffer + merge mode: rank 0 pulls one step's groups, broadcasts; version continues at v + 1.
     g = cfg.grpo
     buf = RolloutBuffer.options(name=BUFFER_NAME, namespace=NAMESPACE).remote(max_staleness=2,
                                                                              groups_per_step=g.prompts_per_step)
     groups = synthetic_batch(7, 0, g.prompts_per_step, g.group_size, 99, g.max_new_tokens).groups
     for grp in groups:
-        grp.version = 1
+        grp.version = v - 1
         ray.get(buf.put.remote(grp))
-    cfg_b = small_config(model, train={"total_steps": 3}, checkpoint={"every": 0, "keep": 2}, run={"name": "b"})
+    cfg_b = small_config(model, train={"total_steps": 4}, checkpoint={"every": 0, "keep": 2}, run={"name": "b"},
+                         sync={"mode": "merge"})
     result_b = build_trainer(cfg_b, tmp_path / "run", resume_from=str(ck)).fit()
     assert result_b.error is None
-    assert json.loads((Path(result_b.checkpoint.path) / "train_state.json").read_text())["consumed_groups"] == 2 * 4 + 4
-    assert ray.get(registry.latest_version.remote()) == 3
+    assert json.loads((Path(result_b.checkpoint.path) / "train_state.json").read_text())["consumed_groups"] == 4 * 4
+    assert ray.get(registry.latest_version.remote()) == v + 1
     last = ray.get(metrics.get_rows.remote())[-1]
-    assert last["step"] == 3 and last["version"] == 3
-    assert last["staleness_mean"] == 1.0  # groups of version 1 taken at trainer version 2
+    assert last["step"] == 4 and last["version"] == v + 1
+    assert last["staleness_mean"] == 1.0  # groups of version v - 1 taken at trainer version v
     assert ray.get(buf.stats.remote())["taken_groups"] == g.prompts_per_step
-    assert torch.is_tensor(next(iter(ray.get(got["ref"][0]).values())))
+    merged = ray.get(registry.get.remote(v + 1))
+    assert merged["meta"]["kind"] == "merged"
+    weights = ray.get(merged["ref"][0])
+    base = load_file(str(model / "model.safetensors"))
+    assert weights.keys() == base.keys()
+    assert not torch.equal(weights["model.layers.0.self_attn.q_proj.weight"],
+                           base["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(weights["model.norm.weight"], base["model.norm.weight"])

@@ -12,13 +12,15 @@ METRICS_NAME = "run-metrics"  # app.metrics.METRICS_NAME
 
 def build_trainer(cfg: Config, run_dir: str | Path, *, batch_source: str = "buffer",
                   registry_name: str | None = REGISTRY_NAME, metrics_name: str | None = METRICS_NAME,
-                  resume_from: str | None = None, max_failures: int = 2, ds_overrides: dict | None = None):
+                  resume_from: str | None = None, max_failures: int = 2, ds_overrides: dict | None = None,
+                  extra_loop_cfg: dict | None = None):
     """TorchTrainer over `cfg.train.num_workers` workers; `.fit()` runs it.
 
     Checkpoints land under `run_dir/<run.name>/checkpoint_<step>`; Ray keeps `checkpoint.keep` of them.
     A worker failure restarts the group (up to `max_failures` times) and the loop resumes from the last
     reported checkpoint via `ray.train.get_checkpoint()`; `resume_from` (Train V2 has no
-    resume_from_checkpoint) travels in train_loop_config and is used only when Ray has no checkpoint."""
+    resume_from_checkpoint) travels in train_loop_config and is used only when Ray has no checkpoint.
+    `extra_loop_cfg` adds loop_cfg keys (see train_loops.worker: dump_dir, fail_once_at)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -31,6 +33,7 @@ def build_trainer(cfg: Config, run_dir: str | Path, *, batch_source: str = "buff
         "resume_from": str(Path(resume_from).resolve()) if resume_from else None,
         "runner": "ray",
         "ds_overrides": ds_overrides,
+        **(extra_loop_cfg or {}),
     }
     resources = {"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}
     return TorchTrainer(

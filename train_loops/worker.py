@@ -13,6 +13,8 @@ loop_cfg keys:
   checkpoint_dir  torchrun only: where checkpoint_<step> directories go
   ds_overrides    dict merged into the DeepSpeed config
   dump_dir        tests/debugging: rank 0 writes steps.jsonl and the final full weights (full_state.safetensors)
+  fail_once_at    tests: {"step": N, "rank": R, "marker": path}: that rank dies at the start of step N once
+                  (the marker file remembers), to exercise Ray Train's restore-from-checkpoint
 """
 from __future__ import annotations
 
@@ -84,6 +86,7 @@ class GRPOWorker:
         every = self.cfg.checkpoint.every
         row = {}
         for step in range(self.state["step"] + 1, total + 1):
+            self._maybe_fail(step)
             row = self.step(step)
             if (every and step % every == 0) or step == total:
                 self.save_checkpoint(step, row)
@@ -199,6 +202,12 @@ class GRPOWorker:
         path = self.loop_cfg.get("resume_from") or self.cfg.checkpoint.resume_from
         if path:
             self.state = ckpt.load(self.engine, path, rank=self.rank)
+
+    def _maybe_fail(self, step: int) -> None:
+        f = self.loop_cfg.get("fail_once_at")
+        if f and step == f["step"] and self.rank == f["rank"] and not Path(f["marker"]).exists():
+            Path(f["marker"]).touch()
+            os._exit(1)  # like a killed process: no exception handling, no cleanup
 
     def _dump_final(self) -> None:
         """Tests: the trainer's full final weights (base + LoRA, PEFT names) from rank 0."""
