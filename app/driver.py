@@ -55,8 +55,10 @@ def _init_ray(cfg: Config) -> None:
     if ray.is_initialized():
         return
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
-    ray.init(address=address or None, log_to_driver=True,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}})
+    env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           # Ray Train gives a worker group 60 s to start; a loaded 2-core machine can need more.
+           "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600")}
+    ray.init(address=address or None, log_to_driver=True, runtime_env={"env_vars": env})
 
 
 class _Progress:

@@ -1,0 +1,85 @@
+"""Config loading and validation: every broken rule fails with one message naming its key."""
+import pytest
+
+from common import config as C
+
+
+def _load(tmp_path, text: str, sets=()):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return C.load(str(p), list(sets))
+
+
+def test_defaults_validate_and_derive():
+    cfg = C.load(None, [])
+    assert cfg.max_loras == cfg.sync.max_staleness + 2
+    assert cfg.torch_dtype == "float32"
+
+
+def test_recipes_validate():
+    for r in ("recipes/tiny-cpu.yaml", "recipes/qwen2.5-math-1.5b-lora-r1.yaml"):
+        C.load(r, [])
+
+
+def test_overrides_are_typed(tmp_path):
+    cfg = _load(tmp_path, "grpo:\n  lr: 0.1\n", ["train.total_steps=7", "lora.target_modules=[q_proj, v_proj]",
+                                                 "grpo.tis_cap=null", "run.mode=sync"])
+    assert cfg.train.total_steps == 7 and cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.grpo.lr == 0.1 and cfg.grpo.tis_cap is None and cfg.run.mode == "sync"
+
+
+@pytest.mark.parametrize("sets, key", [
+    (["lora.rank=0"], "lora.rank"),
+    (["lora.rank=-3"], "lora.rank"),
+    (["train.zero_stage=4"], "train.zero_stage"),
+    (["grpo.group_size=1"], "grpo.group_size"),
+    (["sync.max_staleness=4", "sync.max_loras=5"], "sync.max_loras"),
+    (["sync.mode=both"], "sync.mode"),
+    (["lora.rank=16", "rollout.max_lora_rank=8"], "lora.rank"),
+    (["rollout.max_lora_rank=12"], "rollout.max_lora_rank"),
+    (["grpo.loss_agg=sum"], "grpo.loss_agg"),
+    (["train.total_steps=ten"], "train.total_steps"),
+    (["router.policy=random"], "router.policy"),
+    (["run.mode=lockstep"], "run.mode"),
+    (["grpo.prompts_per_step=3", "grpo.group_size=3", "train.num_workers=2"], "grpo.prompts_per_step"),
+    (["lora.target_modules=[]"], "lora.target_modules"),
+    (["grpo.tis_cap=0.5"], "grpo.tis_cap"),
+    (["reward.fn=no_colon"], "reward.fn"),
+])
+def test_each_rule_names_its_key(sets, key):
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, sets)
+    assert any(p.startswith(key) for p in e.value.problems), e.value.problems
+
+
+def test_unknown_section_and_key(tmp_path):
+    with pytest.raises(C.ConfigError) as e:
+        _load(tmp_path, "grpo:\n  learning_rate: 1\nmodle:\n  path: x\n")
+    assert "grpo.learning_rate: unknown key" in e.value.problems
+    assert any(p.startswith("modle: unknown section") for p in e.value.problems)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(C.ConfigError, match="not found"):
+        C.load(str(tmp_path / "missing.yaml"))
+    with pytest.raises(C.ConfigError, match="not valid YAML"):
+        _load(tmp_path, "grpo: [unclosed\n")
+    with pytest.raises(C.ConfigError, match="key=value"):
+        C.load(None, ["grpo.lr"])
+
+
+def test_several_problems_reported_together():
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, ["lora.rank=0", "train.zero_stage=9"])
+    assert len(e.value.problems) == 2
+
+
+def test_merge_fallback_reason():
+    cfg = C.load(None, ["lora.use_dora=true"])
+    assert "DoRA" in C.needs_merge(cfg)
+
+
+def test_describe_lists_every_key():
+    text = C.describe()
+    for key in ("grpo.lr", "sync.max_staleness", "router.policy", "train.zero_stage", "rollout.admin_token"):
+        assert key in text
