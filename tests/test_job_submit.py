@@ -1,0 +1,86 @@
+"""The user's path: `ray start --head`, then `ray job submit --working-dir . -- python -m app train ...`.
+While the job runs, its Serve application and its metrics are visible through the dashboard's REST
+API and the node's Prometheus endpoint (what the dashboard's Metrics view reads); the job succeeds.
+
+The cluster is started by this test as `ray start --head --block` in a child process, so terminating
+that process stops exactly this cluster (never `ray stop`, which would stop every Ray on the machine).
+"""
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests._serve_helpers import free_port
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _headers() -> dict:
+    token = Path.home() / ".ray" / "auth_token"
+    return {"Authorization": f"Bearer {token.read_text().strip()}"} if token.exists() else {}
+
+
+def _get(url: str):
+    try:
+        return httpx.get(url, headers=_headers(), timeout=10)
+    except httpx.HTTPError:
+        return None
+
+
+def test_job_submit_serves_and_exports_metrics(tiny_model_dir, tmp_path):
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    gcs, dash, prom, http = free_port(), free_port(), free_port(), free_port()
+    env = dict(os.environ, RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="600", TOKENIZERS_PARALLELISM="false")
+    head = subprocess.Popen(
+        [ray_bin, "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2", "--include-dashboard=true",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--metrics-export-port={prom}",
+         "--disable-usage-stats"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    api = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.monotonic() + 180
+        while (r := _get(f"{api}/api/version")) is None or r.status_code != 200:
+            assert head.poll() is None, "ray start --head exited"
+            assert time.monotonic() < deadline, "dashboard did not come up"
+            time.sleep(2)
+        out = tmp_path / "runs"
+        submit = subprocess.run(
+            [ray_bin, "job", "submit", "--address", api, "--working-dir", str(REPO), "--no-wait", "--",
+             "python", "-m", "app", "train", "--config", "recipes/tiny-cpu.yaml", "--no-progress",
+             "--set", f"model.path={tiny_model_dir}", "--set", "model.build_tiny=false",
+             "--set", f"run.out_dir={out}", "--set", "run.name=job", "--set", "train.total_steps=4",
+             "--set", f"rollout.http_port={http}", "--set", "checkpoint.every=0"],
+            env=env, capture_output=True, text=True, timeout=300)
+        assert submit.returncode == 0, submit.stdout + submit.stderr
+        job_id = next(w for w in submit.stdout.split() if w.startswith("raysubmit_"))
+
+        seen_app = seen_metric = False
+        status = None
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            status = _get(f"{api}/api/jobs/{job_id}").json()["status"]
+            if not seen_app and (r := _get(f"{api}/api/serve/applications/")) is not None and r.status_code == 200:
+                apps = r.json().get("applications", {})
+                seen_app = apps.get("policy", {}).get("status") == "RUNNING"
+            if not seen_metric and (r := _get(f"http://127.0.0.1:{prom}/metrics")) is not None:
+                seen_metric = "lora_grpo_reward_mean" in r.text
+            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+                break
+            time.sleep(3)
+        logs = _get(f"{api}/api/jobs/{job_id}/logs")
+        tail = logs.json().get("logs", "")[-3000:] if logs is not None else ""
+        assert status == "SUCCEEDED", f"job {job_id} ended {status}:\n{tail}"
+        assert seen_app, "the job's Serve application 'policy' never showed RUNNING in /api/serve/applications/"
+        assert seen_metric, "no lora_grpo_* metric on the node's Prometheus endpoint"
+        assert (out / "job" / "summary.json").exists()
+    finally:
+        head.terminate()
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
