@@ -165,7 +165,11 @@ def run(cfg: Config, *, keep_serving: bool = False, progress: bool = True,
     adapter_dir = _export_adapter(result, run_dir)
     wall = time.time() - t0
     train_rows = ray.get(metrics.get_rows.remote())
+    gen_busy = sum(r.get("gen_seconds_sum", 0.0) for r in train_rows)
     summary = summarize(train_rows, wall, {
+        "trainer_idle_fraction": sum(r.get("batch_wait_seconds", 0.0) for r in train_rows)
+        / max(1e-9, sum(r.get("step_seconds", 0.0) for r in train_rows)),
+        "generation_idle_fraction": max(0.0, 1.0 - gen_busy / max(1e-9, cfg.rollout.workers * wall_train(train_rows))),
         "mode": cfg.run.mode, "max_staleness": cfg.sync.max_staleness, "sync_mode": cfg.sync.mode,
         "adapter_dir": str(adapter_dir) if adapter_dir else None,
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
@@ -174,9 +178,21 @@ def run(cfg: Config, *, keep_serving: bool = False, progress: bool = True,
     })
     write_summary(run_dir, summary)
     plot_rewards(train_rows, run_dir / "reward_curve.png", title=f"{cfg.run.name} ({cfg.run.mode})")
+    # This run's actors end with it (names free for the next run in the same cluster); the registry
+    # and the Serve app stay while the final policy is served.
+    for actor in [*workers, buffer, metrics]:
+        ray.kill(actor)
     if not keep_serving:
         serve.delete(cfg.rollout.app_name)
+        ray.kill(registry)
     return summary
+
+
+def wall_train(rows: list[dict]) -> float:
+    """Seconds from the first to the last step row (plus the first step's own duration)."""
+    if not rows:
+        return 0.0
+    return rows[-1]["time"] - rows[0]["time"] + rows[0].get("step_seconds", 0.0)
 
 
 def _fit(trainer):

@@ -47,7 +47,7 @@ class RunMetrics:
         now = time.time()
         gen = self._gen
         row = {"step": int(step), "time": now, **metrics, **self._extra,
-               "gen_groups": gen["groups"],
+               "gen_groups": gen["groups"], "gen_seconds_sum": gen["seconds"],
                # wall-clock rate: generation runs concurrently across workers and replicas
                "gen_tokens_per_s": gen["tokens"] / max(1e-9, now - self._t_last)}
         self._gen = {"tokens": 0, "seconds": 0.0, "groups": 0, "reward_sum": 0.0}
