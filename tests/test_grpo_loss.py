@@ -156,3 +156,13 @@ def test_sequence_logprobs_pick_the_completion_tokens(tmp_path):
         want = torch.stack([full[p - 1 + j, tok] for j, tok in enumerate(s.completion_ids)])
         assert torch.allclose(logp[i, :len(s.completion_ids)], want, atol=1e-5)
         assert (logp[i, len(s.completion_ids):] == 0).all()
+
+
+def test_token_denominator_makes_split_batches_equal_the_whole_batch_token_mean():
+    """Two 'ranks' each with one sequence, averaged like DeepSpeed averages gradients, equal the token
+    mean over both sequences when each uses the shared denominator."""
+    kw = dict(clip_eps_low=LO, clip_eps_high=HI)
+    whole, _ = grpo_loss(t(LOGP), t(BEH), torch.tensor(MASK), t(ADV), **kw)
+    parts = [grpo_loss(t(LOGP)[i:i + 1], t(BEH)[i:i + 1], torch.tensor(MASK)[i:i + 1], t(ADV)[i:i + 1],
+                       token_denominator=5 / 2, **kw)[0] for i in range(2)]
+    assert (sum(parts) / 2).item() == pytest.approx(whole.item(), rel=1e-12)

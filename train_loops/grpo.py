@@ -22,11 +22,18 @@ def group_advantages(rewards: torch.Tensor, scale_by_std: bool = True, eps: floa
     return adv
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
-    """Reduce a [B, T] per-token quantity over the real tokens of each sequence, then the batch."""
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_agg: str,
+              token_denominator: float | None = None) -> torch.Tensor:
+    """Reduce a [B, T] per-token quantity over the real tokens of each sequence, then the batch.
+
+    `token_denominator` (token-mean only) replaces this micro-batch's token count: the trainer passes the
+    whole step's token count divided by (ranks x micro-batches), so after DeepSpeed averages gradients
+    over ranks and accumulation steps the result is the mean over every token of the step, not a mean of
+    per-rank means (which would weight tokens of short micro-batches more)."""
     mask = mask.to(per_token.dtype)
     if loss_agg == "token-mean":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        denom = mask.sum().clamp(min=1.0) if token_denominator is None else token_denominator
+        return (per_token * mask).sum() / denom
     seq_sum = (per_token * mask).sum(dim=1)
     if loss_agg == "seq-mean-token-mean":
         return (seq_sum / mask.sum(dim=1).clamp(min=1.0)).mean()
@@ -38,7 +45,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_agg: str) -> tor
 def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, *,
               clip_eps_low: float, clip_eps_high: float, loss_agg: str = "token-mean", kl_coef: float = 0.0,
               ref_logp: torch.Tensor | None = None, tis_cap: float | None = None,
-              entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+              entropy: torch.Tensor | None = None,
+              token_denominator: float | None = None) -> tuple[torch.Tensor, dict]:
     """Clipped policy-gradient loss over behaviour (vLLM) logprobs; returns (loss, float stats).
 
     Without TIS: r = exp(logp - behaviour_logp) and the per-token loss is -min(r*A, clip(r, 1-lo, 1+hi)*A)
@@ -52,7 +60,7 @@ def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tens
     the behaviour policy is still what `clip_frac` reports.
 
     KL: k3 estimator exp(ref - logp) - (ref - logp) - 1 against the base policy, added as kl_coef * KL.
-    `advantages` is [B] (one per sequence) or [B, T].
+    `advantages` is [B] (one per sequence) or [B, T]; `token_denominator`: see `aggregate`.
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None]
@@ -75,7 +83,7 @@ def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tens
         kl_tok = torch.exp(d) - d - 1.0
         if kl_coef:
             per_token = per_token + kl_coef * kl_tok
-    loss = aggregate(per_token, mask, loss_agg)
+    loss = aggregate(per_token, mask, loss_agg, token_denominator)
 
     with torch.no_grad():
         n = maskf.sum().clamp(min=1.0)

@@ -128,6 +128,7 @@ class GRPOWorker:
         g, accum = self.cfg.grpo, self.cfg.train.grad_accum
         per = len(samples) // accum
         micro_stats = []
+        denom = self._token_denominator(samples) if g.loss_agg == "token-mean" else None
         for i in range(accum):
             b = collate(samples[i * per:(i + 1) * per], self.pad_id, self.device)
             fwd = {k: b[k] for k in ("input_ids", "attention_mask", "pred_pos", "targets", "mask")}
@@ -139,7 +140,7 @@ class GRPOWorker:
             loss, st = grpo_loss(logp, b["behaviour_logp"], b["mask"], b["advantages"],
                                  clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high,
                                  loss_agg=g.loss_agg, kl_coef=g.kl_coef, ref_logp=ref, tis_cap=g.tis_cap,
-                                 entropy=entropy)
+                                 entropy=entropy, token_denominator=denom)
             self.engine.backward(loss)
             self.engine.step()
             micro_stats.append({**st, "loss": float(loss.detach()), "seq_tokens": int(b["attention_mask"].sum())})
@@ -147,6 +148,13 @@ class GRPOWorker:
         grad_norm = self.engine.get_global_grad_norm()
         stats["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         return stats
+
+    def _token_denominator(self, samples: list) -> float:
+        """The step's completion-token count over all ranks, per (rank x micro-batch) share."""
+        n = torch.tensor([float(sum(len(s.completion_ids) for s in samples))], dtype=torch.float64,
+                         device=self.device)
+        dist.all_reduce(n)
+        return max(float(n.item()), 1.0) / (self.world * self.cfg.train.grad_accum)
 
     # ------------------------------------------------------------------ reporting, checkpoints
 
