@@ -118,6 +118,7 @@ class RolloutReplica:
         self._draining: set[int] = set()  # versions being unloaded: refuse new requests
         self._base_version = 0  # what the engine's base weights are: 0 = the original model
         self.add_lora_ms: list[float] = []
+        self.rejected: dict[int, str] = {}  # live versions whose payload failed verification at start
         self._init_openai()
         await self._load_live_versions()
         log.info("replica %s ready in %.1fs (engine %.1fs), versions %s, block size %d", self.replica_id,
@@ -150,7 +151,15 @@ class RolloutReplica:
             await self.update_weights(max(merged))
         adapters = [v for v in live if metas[v].get("kind", "adapter") == "adapter" and v > self._base_version]
         for v in adapters[-self._max_loras:]:
-            await self.load_adapter(v)
+            try:
+                await self.load_adapter(v)
+            except ReplicaError as e:
+                if e.status_code != 422:
+                    raise
+                # A payload no replica can serve must not keep this one from starting; requests
+                # for it fail with the same clear error.
+                self.rejected[v] = str(e)
+                log.error("replica %s: live %s", self.replica_id, e)
 
     # ------------------------------------------------------------------ adapters
 
@@ -331,6 +340,8 @@ class RolloutReplica:
                                 else serving.create_chat_completion(request))
         except ReplicaError as e:
             return e.to_dict()
+        except Exception as e:  # vLLM's own request errors (validation etc.) -> its status codes
+            return _vllm_error(e)
         return self._openai_result(result, requested, version)
 
     def _openai_result(self, result, requested, version) -> dict:
@@ -365,6 +376,8 @@ class RolloutReplica:
                     yield chunk
         except ReplicaError as e:
             yield f"data: {json.dumps(e.to_dict())}\n\n"
+        except Exception as e:
+            yield f"data: {json.dumps(_vllm_error(e))}\n\n"
 
     # ------------------------------------------------------------------ control
 
@@ -418,7 +431,7 @@ class RolloutReplica:
                 "inflight_by_version": dict(self._slots.inflight), "prefix_cache_hits": self._prefix.hits,
                 "prefix_cache_queries": self._prefix.queries, "block_size": self.block_size,
                 "base_version": self._base_version, "engine_start_s": self.engine_start_s,
-                "add_lora_ms": list(self.add_lora_ms[-16:]), "pid": os.getpid()}
+                "add_lora_ms": list(self.add_lora_ms[-16:]), "rejected": dict(self.rejected), "pid": os.getpid()}
 
     async def engine_info(self) -> dict:
         return {"block_size": self.block_size, "max_model_len": self.max_model_len, "model": self._model,
@@ -434,6 +447,15 @@ class RolloutReplica:
             engine.shutdown()
         if getattr(self, "_scratch", None) is not None:
             remove_dir(self._scratch)
+
+
+def _vllm_error(e: Exception) -> dict:
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    r = create_error_response(e)
+    if r.error.code >= 500:
+        log.exception("openai request failed")
+    return error_dict(r.error.message, r.error.code, r.error.type)
 
 
 def _vname(version: int) -> str:

@@ -133,6 +133,10 @@ def test_corrupt_payloads_rejected_previous_serves(serve_env, replica, versions)
     st = replica.stats.remote().result()
     assert v_digest not in st["versions"] and v_shape not in st["versions"]
     assert gen(replica, pids, v_good).result()["token_ids"] == before["token_ids"]
+    import ray
+
+    for v in (v_digest, v_shape):  # what the router's all-or-nothing publish does on a refusal
+        ray.get(serve_env.registry.retire.remote(v))
 
 
 def test_unknown_version_fails_clearly(replica):
@@ -149,7 +153,8 @@ def test_openai_routes(serve_env, replica, versions):
     body = {"model": f"policy-v{v}", "prompt": "hello", "max_tokens": 8, "temperature": 0, "logprobs": 1}
     r = replica.openai.remote("/v1/completions", body).result()
     assert "error" not in r, r
-    assert r["model"] == f"policy-v{v}" and len(r["choices"][0]["logprobs"]["token_logprobs"]) == 8
+    n = r["usage"]["completion_tokens"]
+    assert r["model"] == f"policy-v{v}" and n >= 1 and len(r["choices"][0]["logprobs"]["token_logprobs"]) == n
     latest = replica.openai.remote("/v1/completions", dict(body, model="policy-latest")).result()
     base = replica.openai.remote("/v1/completions", dict(body, model="base")).result()
     st = replica.stats.remote().result()
