@@ -286,12 +286,15 @@ class RolloutReplica:
                                 top_p=float(s.get("top_p", 1.0)), seed=s.get("seed"),
                                 logprobs=0 if s.get("logprobs", True) else None, **extra)
         prompt_ids = list(req["prompt_token_ids"])
-        request_id = str(req.get("request_id") or uuid.uuid4().hex)
+        # Callers may reuse an id (retries, G samples of one prompt); vLLM requires unique ones.
+        request_id = f"{req.get('request_id') or 'gen'}-{uuid.uuid4().hex[:12]}"
         async with self._hold(version) as lora:
             final = None
             async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id,
                                                   lora_request=lora):
                 final = out
+        if final is None or not final.outputs:
+            raise ReplicaError(f"request {request_id} produced no output (aborted)", 503)
         c = final.outputs[0]
         logprobs = [float(lp[t].logprob) for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else []
         return {"token_ids": list(c.token_ids), "logprobs": logprobs, "text": c.text,

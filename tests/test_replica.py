@@ -43,6 +43,26 @@ def test_engine_info_and_stats(replica):
     assert st["block_size"] == 128 and st["ongoing"] == 0 and "prefix_cache_hits" in st
 
 
+def test_prefix_cache_counters_and_pause(serve_env, replica):
+    import time
+
+    pids = prompt_ids(serve_env.model_dir, "a long shared question " * 12)  # > 2 blocks of 128
+    assert len(pids) > 2 * 128
+    before = replica.stats.remote().result()
+    gen(replica, pids, 0, max_tokens=2).result()
+    gen(replica, pids, 0, max_tokens=2).result()
+    after = replica.stats.remote().result()
+    assert after["prefix_cache_queries"] - before["prefix_cache_queries"] >= 2 * len(pids)
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 2 * 128  # the second hit 2 full blocks
+
+    replica.pause.remote().result()
+    held = gen(replica, pids, 0, max_tokens=2)
+    time.sleep(1.0)
+    assert replica.stats.remote().result()["ongoing"] == 1  # admitted but held by the paused engine
+    replica.resume.remote().result()
+    assert len(held.result(timeout_s=60)["token_ids"]) == 2
+
+
 def test_adapter_matches_peft(serve_env, replica, versions):
     (v,) = versions.take()
     tensors, meta = make_lora_payload(serve_env.model_dir, seed=v)
