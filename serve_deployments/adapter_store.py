@@ -19,9 +19,26 @@ _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[A
 
 
 def scratch_root(tag: str) -> Path:
-    """A per-replica directory on tmpfs (/dev/shm) when there is one, else the temp dir."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    return Path(tempfile.mkdtemp(prefix=f"lora-grpo-{tag}-", dir=base))
+    """A per-process directory on tmpfs (/dev/shm) when there is one, else the temp dir.
+
+    Named with the owner's pid: a replica that is killed never cleans up, so each new one removes
+    the directories of owners that no longer exist (tmpfs is RAM)."""
+    base = Path("/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
+    for old in base.glob("lora-grpo-*-pid*-*"):
+        pid = re.search(r"-pid(\d+)-", old.name)
+        if pid and not _alive(int(pid.group(1))):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"lora-grpo-{tag}-pid{os.getpid()}-", dir=base))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: existence check only
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class BaseModelShapes:

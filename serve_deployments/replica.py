@@ -445,11 +445,14 @@ class RolloutReplica:
         await self.engine.check_health()
 
     def __del__(self):
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
         if getattr(self, "_scratch", None) is not None:
             remove_dir(self._scratch)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:  # interpreter teardown: vLLM's own cleanup may find modules gone
+                pass
 
 
 def _vllm_error(e: Exception) -> dict:
