@@ -82,7 +82,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     steps = 4 if args.quick else args.steps
 
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import ray
 
     from app.tiny_model import build_tiny_model
@@ -91,8 +90,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         tmp = Path(tmp)
         model = build_tiny_model(tmp / "tiny")
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}})
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             for w in args.workers:
                 results.append(run_one(ray, model, tmp, w, args.zero_stage, steps, args))

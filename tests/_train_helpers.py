@@ -13,12 +13,22 @@ from common.config import Config, from_dict, validate
 REPO = Path(__file__).resolve().parents[1]
 
 
-def tiny_model(dir: Path, seed: int = 0) -> Path:
+_TINY: dict[int, Path] = {}
+
+
+def tiny_model(seed: int = 0) -> Path:
+    """One tiny model per seed per test process (building one costs seconds); tests only read it."""
+    import atexit
+    import shutil
+    import tempfile
+
     from app.tiny_model import build_tiny_model
 
-    if not (dir / "config.json").is_file():
-        build_tiny_model(dir, seed=seed)
-    return dir
+    if seed not in _TINY:
+        d = Path(tempfile.mkdtemp(prefix=f"tiny-model-{seed}-"))
+        atexit.register(shutil.rmtree, d, True)
+        _TINY[seed] = build_tiny_model(d / "model", seed=seed)
+    return _TINY[seed]
 
 
 def small_config(model_path: Path, **sections) -> Config:

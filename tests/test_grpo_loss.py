@@ -143,7 +143,7 @@ def test_sequence_logprobs_pick_the_completion_tokens(tmp_path):
 
     from train_loops.batches import collate
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model(tmp_path / "tiny"), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model(), dtype=torch.float32)
     samples = [Sample([5, 6, 7], [8, 9], [-1.0, -1.0], 1.0, 0.5, 1),
                Sample([10, 11], [12, 13, 14, 15], [-1.0] * 4, 0.0, -0.5, 1)]
     b = collate(samples, pad_id=0)

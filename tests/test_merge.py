@@ -19,7 +19,7 @@ def base_and_adapter(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("merge")
-    base = tiny_model(root / "base")
+    base = tiny_model()
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],

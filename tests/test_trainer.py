@@ -47,7 +47,7 @@ def assert_only_lora_changed(full: dict, model_dir: Path, cfg) -> None:
 def zero2_run(tmp_path_factory):
     """4 straight steps, ZeRO-2, checkpoints at 2 and 4."""
     root = tmp_path_factory.mktemp("z2")
-    model = tiny_model(root / "tiny")
+    model = tiny_model()
     cfg = small_config(model, train={"total_steps": 4, "zero_stage": 2}, checkpoint={"every": 2})
     out = run_torchrun({"config": cfg.to_dict(), "batch_source": "synthetic", "checkpoint_dir": str(root / "ck"),
                         "dump_dir": str(root / "dump")}, root)
@@ -106,7 +106,7 @@ def test_peft_export_reloads_with_the_trainers_logits(zero2_run):
 
 @pytest.mark.slow
 def test_zero3_kl_tis_grad_accum_only_lora_changes(tmp_path):
-    model = tiny_model(tmp_path / "tiny")
+    model = tiny_model()
     cfg = small_config(model, train={"zero_stage": 3, "grad_accum": 2, "total_steps": 2},
                        grpo={"kl_coef": 0.1, "tis_cap": 2.0, "loss_agg": "seq-mean-token-sum"},
                        lora={"target_modules": ["q_proj", "v_proj", "up_proj"]})
@@ -127,7 +127,7 @@ def test_zero3_kl_tis_grad_accum_only_lora_changes(tmp_path):
 def test_unknown_target_module_is_a_clear_config_error(tmp_path):
     from train_loops.lora import build_lora_model
 
-    cfg = small_config(tiny_model(tmp_path / "tiny"), lora={"target_modules": ["q_proj", "qkv_proj"]})
+    cfg = small_config(tiny_model(), lora={"target_modules": ["q_proj", "qkv_proj"]})
     with pytest.raises(ConfigError) as e:
         build_lora_model(cfg)
     msg = str(e.value)

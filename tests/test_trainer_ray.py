@@ -17,8 +17,7 @@ from _train_helpers import small_config, tiny_model  # noqa: E402
 def ray_session():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}})
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
@@ -37,7 +36,7 @@ def test_torchtrainer_checkpoints_publishes_restores_and_resumes_from_buffer(ray
 
     registry = AdapterRegistry.options(name=REGISTRY_NAME, namespace=NAMESPACE).remote(keep=3)
     metrics = RunMetrics.options(name=METRICS_NAME, namespace=NAMESPACE).remote(str(tmp_path / "run"))
-    model = tiny_model(tmp_path / "tiny")
+    model = tiny_model()
     cfg = small_config(model, train={"total_steps": 3}, checkpoint={"every": 1, "keep": 2}, run={"name": "a"})
 
     # rank 1 dies at the start of step 3; Ray Train restarts both workers from checkpoint_000002
