@@ -53,6 +53,8 @@ class BaseModelShapes:
         self.linear = {n: (m.in_features, m.out_features) for n, m in model.named_modules()
                        if isinstance(m, torch.nn.Linear)}
         self.params = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+        # Tied output embeddings: the checkpoint may or may not carry lm_head.weight.
+        self.optional = {"lm_head.weight"} if getattr(hf_cfg, "tie_word_embeddings", False) else set()
 
     def lora_shapes(self, names, peft_config: dict, max_rank: int) -> dict[str, tuple[int, ...]]:
         """Expected shape of each PEFT LoRA tensor name: A is (r, in), B is (out, r)."""
@@ -87,6 +89,11 @@ def verify_merged(tensors: dict, meta: dict, shapes: BaseModelShapes) -> None:
     if meta.get("kind") != "merged":
         raise AdapterError(f"payload kind {meta.get('kind')!r} is not merged weights")
     verify_payload(tensors, meta, shapes.params)
+    # vLLM reloads layer by layer and finalizes a layer once its weights are in: a partial payload
+    # would leave layers half old, half new.
+    missing = sorted(set(shapes.params) - set(tensors) - shapes.optional)
+    if missing:
+        raise AdapterError(f"merged weights lack {len(missing)} base tensors, e.g. {missing[:3]}")
 
 
 def write_adapter_dir(tensors: dict, meta: dict, root: Path, name: str) -> Path:

@@ -231,7 +231,7 @@ def test_merge_mode_update_weights(serve_env, replica, versions):
 
     from tests._serve_helpers import make_merged_payload
 
-    v_ad, v_merged = versions.take(2)
+    v_ad, v_bad, v_merged = versions.take(3)
     t, m = make_lora_payload(serve_env.model_dir, seed=v_ad)
     publish(serve_env.registry, v_ad, t, m)
     pids = prompt_ids(serve_env.model_dir, "merge me")
@@ -239,7 +239,14 @@ def test_merge_mode_update_weights(serve_env, replica, versions):
     base_before = gen(replica, pids, 0).result()
     assert adapter_out["token_ids"] != base_before["token_ids"]
 
-    publish(serve_env.registry, v_merged, *make_merged_payload(serve_env.model_dir, t, m))
+    full, full_meta = make_merged_payload(serve_env.model_dir, t, m)
+    publish(serve_env.registry, v_bad, full, dict(full_meta, sha256="f" * 64))
+    with pytest.raises(Exception, match="digest mismatch"):
+        replica.update_weights.remote(v_bad).result()
+    ray.get(serve_env.registry.retire.remote(v_bad))
+    assert gen(replica, pids, v_ad).result()["token_ids"] == adapter_out["token_ids"]  # nothing changed
+
+    publish(serve_env.registry, v_merged, full, full_meta)
     try:
         r = replica.update_weights.remote(v_merged).result()
         assert not r["already"]
