@@ -197,32 +197,45 @@ def test_openai_routes(serve_env, replica, versions):
     assert bad["status_code"] == 400, bad
 
 
-def test_killed_replica_restarts_with_live_versions(serve_env, replica):
+def test_killed_replica_restarts_with_live_versions(serve_env, versions):
+    """Two replicas: one is killed; the other keeps serving, and Serve's replacement loads every
+    live version before it takes traffic."""
     import time
 
     import ray
+    from ray import serve
 
     from tests._serve_helpers import replica_actor_names
 
-    live = ray.get(serve_env.registry.live_versions.remote())
-    want = sorted(live)[-3:]  # newest max_loras live versions
-    old = replica.stats.remote().result()
-    (name,) = replica_actor_names(APP)
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-    deadline = time.time() + 120
-    while True:
-        try:
-            st = replica.stats.remote().result(timeout_s=10)
-            if st["replica_id"] != old["replica_id"]:
+    app = "replica-kill-test"
+    (v,) = versions.take()
+    publish(serve_env.registry, v, *make_lora_payload(serve_env.model_dir, seed=v))
+    handle = deploy_replicas(small_config(serve_env.model_dir, replicas=2, max_staleness=1), app)
+    try:
+        want = sorted(ray.get(serve_env.registry.live_versions.remote()))[-3:]  # newest max_loras
+        before = handle.broadcast("stats").results(timeout_s=30)
+        assert len(before) == 2 and all(st["versions"] == want for st in before), before
+        names = replica_actor_names(app)
+        assert len(names) == 2
+        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+        pids = prompt_ids(serve_env.model_dir, "hello")
+        old_ids = {st["replica_id"] for st in before}
+        deadline = time.time() + 180
+        while True:
+            # Requests keep succeeding on the surviving replica meanwhile.
+            assert gen(handle, pids, v).result(timeout_s=60)["version"] == v
+            sts = handle.broadcast("stats").results(timeout_s=30, return_exceptions=True)
+            fresh = [st for st in sts if isinstance(st, dict) and st["replica_id"] not in old_ids]
+            if fresh:
                 break
-        except Exception:
-            pass
-        assert time.time() < deadline, "replica did not come back"
-        time.sleep(0.5)
-    # It loaded every live version before taking its first request.
-    assert st["versions"] == want and st["ongoing"] == 0, (st, want)
-    pids = prompt_ids(serve_env.model_dir, "hello")
-    assert gen(replica, pids, want[-1]).result()["version"] == want[-1]
+            assert time.time() < deadline, "killed replica was not replaced"
+            time.sleep(1.0)
+        (st,) = fresh
+        assert st["versions"] == want and st["rejected"] == {}, (st, want)
+        out = [gen(handle, pids, v).result() for _ in range(4)]
+        assert len({tuple(o["token_ids"]) for o in out}) == 1
+    finally:
+        serve.delete(app)
 
 
 def test_merge_mode_update_weights(serve_env, replica, versions):
