@@ -48,6 +48,9 @@ class ReplicaError(ValueError):
         super().__init__(message)
         self.status_code = status_code
 
+    def __reduce__(self):  # keep status_code when Ray pickles it to the caller
+        return (type(self), (str(self), self.status_code))
+
     def to_dict(self) -> dict:
         return error_dict(str(self), self.status_code)
 
