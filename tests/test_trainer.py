@@ -105,15 +105,16 @@ def test_peft_export_reloads_with_the_trainers_logits(zero2_run):
 
 
 @pytest.mark.slow
-def test_zero3_kl_tis_grad_accum_only_lora_changes(tmp_path):
+def test_zero3_kl_tis_grad_accum_only_lora_changes_and_resumes(tmp_path):
     model = tiny_model()
-    cfg = small_config(model, train={"zero_stage": 3, "grad_accum": 2, "total_steps": 2},
+    cfg = small_config(model, train={"zero_stage": 3, "grad_accum": 2, "total_steps": 2}, checkpoint={"every": 1},
                        grpo={"kl_coef": 0.1, "tis_cap": 2.0, "loss_agg": "seq-mean-token-sum"},
                        lora={"target_modules": ["q_proj", "v_proj", "up_proj"]})
     # persistence threshold 0: really partition even the tiny model's small tensors
-    out = run_torchrun({"config": cfg.to_dict(), "batch_source": "synthetic", "checkpoint_dir": str(tmp_path / "ck"),
-                        "dump_dir": str(tmp_path / "dump"),
-                        "ds_overrides": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}, tmp_path)
+    loop = {"config": cfg.to_dict(), "batch_source": "synthetic", "checkpoint_dir": str(tmp_path / "ck"),
+            "dump_dir": str(tmp_path / "dump"),
+            "ds_overrides": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
+    out = run_torchrun(loop, tmp_path)
     assert not COMPILE_LINES.search(out), "DeepSpeed compiled an op on CPU"
     full = load(tmp_path / "dump" / "full_state.safetensors")
     assert_only_lora_changed(full, model, cfg)
@@ -122,6 +123,11 @@ def test_zero3_kl_tis_grad_accum_only_lora_changes(tmp_path):
     adapter = load(tmp_path / "ck" / "checkpoint_000002" / "adapter" / "adapter_model.safetensors")
     for k, v in adapter.items():  # the gathered export equals the live (gathered) weights
         assert torch.equal(v, full[k.replace(".weight", ".default.weight")]), k
+    # resume under ZeRO-3 (partitioned LoRA + optimizer shards) is bit-identical too
+    run_torchrun({**loop, "checkpoint_dir": str(tmp_path / "ck2"), "dump_dir": str(tmp_path / "dump2"),
+                  "resume_from": str(tmp_path / "ck" / "checkpoint_000001")}, tmp_path)
+    resumed = load(tmp_path / "ck2" / "checkpoint_000002" / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(adapter[k], resumed[k]) for k in adapter)
 
 
 def test_unknown_target_module_is_a_clear_config_error(tmp_path):
