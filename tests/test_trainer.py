@@ -141,3 +141,26 @@ def test_unknown_target_module_is_a_clear_config_error(tmp_path):
     for valid in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
         assert valid in msg
     assert "lm_head" not in msg
+
+
+def test_publisher_delta_skip_and_every():
+    """Single process (no process group): the skip decision is the local max |change|."""
+    from train_loops.adapter_sync import AdapterPublisher
+    from train_loops.lora import build_lora_model, peft_config_dict
+
+    cfg = small_config(tiny_model())
+    pm = build_lora_model(cfg)
+    pub = AdapterPublisher(rank=0, zero_stage=2, mode="adapter", every=2, delta_threshold=1e-2,
+                           peft_config=peft_config_dict(pm), registry_name=None, device=torch.device("cpu"))
+    assert pub.maybe_publish(pm, 1) == {"published": 0, "version": 0}  # not a sync step
+    first = pub.maybe_publish(pm, 2)
+    assert first["published"] == 1 and first["version"] == 1 and first["adapter_bytes"] > 0
+    lora_b = next(p for n, p in pm.named_parameters() if "lora_B" in n)
+    with torch.no_grad():
+        lora_b[0, 0] += 5e-3  # below the threshold
+    assert pub.maybe_publish(pm, 4)["published"] == 0
+    with torch.no_grad():
+        lora_b[0, 0] += 1e-2  # 1.5e-2 since the last publish
+    again = pub.maybe_publish(pm, 6)
+    assert again["published"] == 1 and again["version"] == 2
+    assert again["max_delta"] == pytest.approx(1.5e-2, rel=1e-3)
