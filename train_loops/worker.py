@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from common.config import Config, from_dict, validate
 from train_loops import checkpoint as ckpt
-from train_loops.batches import StepBatch, buffer_batch, collate, rank_slice, synthetic_batch
+from train_loops.batches import BUFFER_NAME, StepBatch, buffer_batch, collate, rank_slice, synthetic_batch
 from train_loops.grpo import grpo_loss
 
 _MAX_KEYS = ("log_ratio_abs_max",)
@@ -105,7 +105,7 @@ class GRPOWorker:
         if self.rank == 0 and pub["published"] and self.source == "buffer":
             from train_loops.adapter_sync import ray_actor
 
-            ray_actor("rollout-buffer").set_trainer_version.remote(pub["version"])
+            ray_actor(BUFFER_NAME).set_trainer_version.remote(pub["version"])  # drop stale groups early
         reward_mean, reward_std = batch.reward_stats()
         row = {**stats, **pub, "step_seconds": time.perf_counter() - t0, "batch_wait_seconds": t1 - t0,
                "learn_seconds": t2 - t1, "train_tokens_per_s": stats["seq_tokens"] / max(t2 - t1, 1e-9),
