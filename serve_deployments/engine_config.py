@@ -70,6 +70,9 @@ def engine_kwargs(cfg: Config) -> dict:
         "gpu_memory_utilization": r.gpu_memory_utilization,
         "worker_extension_cls": WORKER_EXTENSION,
         "disable_log_stats": True,  # our own stat logger still gets vLLM's counters
+        # Behaviour logprobs must be those of the distribution actually sampled (after temperature),
+        # which is what the trainer recomputes; vLLM's default returns them before temperature.
+        "logprobs_mode": "processed_logprobs",
     }
 
 
