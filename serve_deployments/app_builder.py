@@ -39,7 +39,8 @@ def build_app(cfg: Config, registry_name: str, registry_namespace: str) -> serve
     token = cfg.rollout.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
     ingress = Router.options(ray_actor_options={
         "num_cpus": 0.1, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}})
-    return ingress.bind(replica, str(cfg.model.path), cfg.rollout.replicas, registry_name, registry_namespace, token)
+    return ingress.bind(replica, str(cfg.model.path), cfg.rollout.replicas, registry_name, registry_namespace, token,
+                        cfg.router.policy)
 
 
 def start_service(cfg: Config, registry_name: str | None = None, registry_namespace: str | None = None,

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import time
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -33,7 +34,7 @@ from ray.serve.handle import DeploymentHandle
 
 from common.types import POLICY_LATEST, parse_policy_name, policy_name
 from serve_deployments.prefix_hash import ROUTE_KWARG, route_key
-from serve_deployments.request_router import local_routers
+from serve_deployments.request_router import local_policy
 
 logger = logging.getLogger("ray.serve")
 
@@ -63,6 +64,17 @@ def _version(text: str) -> int:
     return v
 
 
+def _per_call(kw: dict) -> dict:
+    """Give each call its own id in the route key: Serve's internal request id is shared by every call
+    made while serving one request, and the router tracks calls (in flight, completion) one by one."""
+    return {k: dict(v, call=uuid.uuid4().hex) for k, v in kw.items()}
+
+
+def _base_id(model_path: str) -> str:
+    """The base model's id in /v1/models: its directory name (the path and "base" are accepted too)."""
+    return os.path.basename(str(model_path).rstrip("/")) or str(model_path)
+
+
 class AdapterLoadError(RuntimeError):
     """A version some replica refused; it was rolled back everywhere and is not live."""
 
@@ -78,7 +90,8 @@ def _short(e: BaseException) -> str:
 @serve.ingress(api)
 class Router:
     def __init__(self, replica: DeploymentHandle, model_path: str, num_replicas: int,
-                 registry_name: str, registry_namespace: str, admin_token: str | None = None):
+                 registry_name: str, registry_namespace: str, admin_token: str | None = None,
+                 router_policy: str = "prefix"):
         from transformers import AutoTokenizer
 
         self._replica = replica
@@ -91,6 +104,8 @@ class Router:
         self._unloaded: set[int] = set()
         self._merged_version = 0  # merge mode: the base weights now are this version's
         self._ctl = asyncio.Lock()  # one state change at a time: loads, unloads, weight updates
+        # Serve's built-in router would pass the route key on to the replica, which takes none.
+        self._routed = router_policy != "serve_default"
 
     # ------------------------------------------------------------------ shared pieces
 
@@ -121,10 +136,13 @@ class Router:
                             f"(live: {[policy_name(v) for v in live]})", "not_found_error", "model")
 
     async def _key(self, token_ids: list[int], version: int) -> dict:
+        """`{ROUTE_KWARG: key}` for a replica call, or {} under Serve's built-in router."""
+        if not self._routed:
+            return {}
         bs = (await self._engine_info())["block_size"]
         if version > 0 and version != self._merged_version:
-            return route_key(token_ids, bs, policy_name(version))
-        return route_key(token_ids, bs, None, salt=f"merged-v{version}" if version else "")
+            return {ROUTE_KWARG: route_key(token_ids, bs, policy_name(version))}
+        return {ROUTE_KWARG: route_key(token_ids, bs, None, salt=f"merged-v{version}" if version else "")}
 
     async def _broadcast(self, method: str, *args) -> tuple[list, list[BaseException]]:
         results = await self._replica.broadcast(method, *args).results_async(
@@ -150,13 +168,19 @@ class Router:
             raise ValueError(e.message) from None
         key = await self._key(ids, v)
         req = {"prompt_token_ids": ids, "version": v, "sampling": dict(sampling or {})}
-        return list(await asyncio.gather(*[self._replica.generate.remote(req, **{ROUTE_KWARG: key})
+        return list(await asyncio.gather(*[self._replica.generate.remote(req, **_per_call(key))
                                            for _ in range(n)]))
 
     async def load_adapter(self, version: int) -> dict:
         """Load `policy-v{version}` (from the registry) on every replica. All or nothing: on any
         failure it is unloaded from the replicas that took it and the error raised; what was live
-        stays live."""
+        stays live. A merged payload (merge mode) goes to `update_weights` instead: same protocol."""
+        try:
+            kind = (await self._reg().get.remote(version))["meta"].get("kind", "adapter")
+        except Exception:
+            kind = "adapter"  # the replicas answer the clear "registry does not hold it" error
+        if kind == "merged":
+            return await self.update_weights(version)
         async with self._ctl:
             t0 = time.perf_counter()
             ok, errors = await self._broadcast("load_adapter", version)
@@ -208,8 +232,12 @@ class Router:
         """Router counters (affinity / spill / unmatched, predicted hit blocks) and every replica's
         own stats, including vLLM's prefix-cache hits and queries."""
         ok, errors = await self._broadcast("stats")
-        routers = local_routers(self._replica.deployment_name)
-        router = routers[0].snapshot() if routers else {"policy": "serve_default"}
+        policy = local_policy(self._replica.app_name, self._replica.deployment_name)
+        if policy is None:
+            router = {"policy": "serve_default"}
+        else:
+            with policy.lock:
+                router = policy.snapshot()
         hits = sum(s.get("prefix_cache_hits", 0) for s in ok)
         queries = sum(s.get("prefix_cache_queries", 0) for s in ok)
         return {"router": router, "replicas": sorted(ok, key=lambda s: str(s.get("replica_id"))),
@@ -218,11 +246,14 @@ class Router:
                 "live_versions": await self.live_versions(), "merged_version": self._merged_version}
 
     async def health(self) -> tuple[bool, dict]:
-        """Ready when every replica answers and holds every live version."""
+        """Ready when every replica answers and holds every live version (the newest max_loras of
+        them: a replica has no more slots, and loads an older one on demand)."""
         live = await self.live_versions()
+        # Merged versions are base weights, not adapters: nothing to hold for them.
+        need = {v for v in live[-(await self._engine_info())["max_loras"]:] if v > self._merged_version}
         ok, errors = await self._broadcast("stats")
-        missing = {str(s.get("replica_id")): sorted(set(live) - set(s.get("versions", [])))
-                   for s in ok if set(live) - set(s.get("versions", []))}
+        missing = {str(s.get("replica_id")): sorted(need - set(s.get("versions", [])))
+                   for s in ok if need - set(s.get("versions", []))}
         ready = not errors and len(ok) >= self._num_replicas and not missing
         return ready, {"status": "ok" if ready else "starting", "replicas_ready": len(ok) - len(missing),
                        "replicas": self._num_replicas, "live": [policy_name(v) for v in live],
@@ -242,9 +273,10 @@ class Router:
         card = lambda mid, parent=None: {"id": mid, "object": "model", "created": now,  # noqa: E731
                                          "owned_by": "lora-grpo", "root": mid, "parent": parent,
                                          "max_model_len": info["max_model_len"]}
-        data = [card(info["model"])] + [card(policy_name(v), info["model"]) for v in live]
+        base = _base_id(info["model"])
+        data = [card(base)] + [card(policy_name(v), base) for v in live]
         if live:
-            data.append(card(POLICY_LATEST, info["model"]))
+            data.append(card(POLICY_LATEST, base))
         return {"object": "list", "data": data}
 
     @api.post("/v1/completions")
@@ -263,16 +295,17 @@ class Router:
         except APIError as e:
             return e.response()
         if body.get("stream"):
-            gen = self._replica.options(stream=True).openai_stream.remote(path, body, **{ROUTE_KWARG: key})
+            gen = self._replica.options(stream=True).openai_stream.remote(path, body, **_per_call(key))
             return StreamingResponse(self._relay(gen), media_type="text/event-stream")
         try:
-            out = await self._replica.openai.remote(path, body, **{ROUTE_KWARG: key})
+            out = await self._replica.openai.remote(path, body, **_per_call(key))
         except Exception as e:  # the engine failed this request; the service itself is fine
             logger.warning("replica failed %s: %s", path, _short(e))
             return APIError(500, _short(e), "server_error").response()
         err = out.get("error") if isinstance(out, dict) else None
         if isinstance(err, dict):  # vLLM's ErrorResponse, with its own status code
-            return JSONResponse(out, status_code=int(err.get("code") or 400))
+            status = int(out.pop("status_code", None) or err.get("code") or 400)
+            return JSONResponse(out, status_code=status)
         return JSONResponse(out)
 
     @staticmethod
@@ -315,7 +348,7 @@ class Router:
         return prompts[0], version
 
     async def _model_version(self, model, base: str) -> int:
-        if model is None or model == base:
+        if model in (None, "", "base", base, _base_id(base)):
             return self._merged_version
         if not isinstance(model, str):
             raise APIError(400, "model must be a string", param="model")
@@ -326,7 +359,7 @@ class Router:
             return live[-1]
         v = parse_policy_name(model)
         if v is None or v not in live:
-            names = [base] + [policy_name(x) for x in live] + ([POLICY_LATEST] if live else [])
+            names = [_base_id(base)] + [policy_name(x) for x in live] + ([POLICY_LATEST] if live else [])
             raise APIError(404, f"model {model!r} does not exist; serving: {', '.join(names)}",
                            "not_found_error", "model")
         return v

@@ -3,7 +3,7 @@
 `PrefixAwareRouter` is attached to the rollout replica deployment (`request_router_config`) and so
 runs inside every DeploymentHandle to it, i.e. inside the ingress. The ingress puts a route key
 (prefix_hash.route_key: the prompt's chained block hashes, seeded by adapter) into each request's
-kwargs; the router reads it from `pending_request.kwargs`.
+kwargs; the router reads it from `pending_request.kwargs` and removes it before the request is sent.
 
 The decision (DESIGN.md section 2, "Routing"):
 - per replica, an LRU of the block hashes sent there (bounded by router.max_tracked_blocks);
@@ -17,7 +17,6 @@ The decision (DESIGN.md section 2, "Routing"):
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Sequence
@@ -27,6 +26,7 @@ from ray.serve.request_router import LocalityMixin, MultiplexMixin, RequestRoute
 from serve_deployments.prefix_hash import ROUTE_KWARG
 
 _MANY = -1  # in `_children`: this block was followed by 2+ different blocks
+FALLBACK_AFTER_TRIES = 3  # routing attempts (with Serve's backoff between) before other replicas are offered
 
 
 @dataclass
@@ -64,6 +64,7 @@ class PrefixPolicy:
         self._order: list[Hashable] = []
         self._rr = 0
         self.counters = dict.fromkeys(self.COUNTERS, 0)
+        self.lock = threading.Lock()  # for callers on several threads (Serve routers); not taken here
 
     # ------------------------------------------------------------ replica set
 
@@ -115,6 +116,9 @@ class PrefixPolicy:
         cands = [r for r in (self._order if candidates is None else sorted(candidates, key=str)) if r in self._slot]
         if not cands:
             raise RuntimeError("PrefixPolicy.choose: no replicas")
+        prev = self._assigned.get(request_id) if request_id is not None else None
+        if prev is not None and prev[0] in cands:
+            return prev[1]  # Serve retrying the same request: keep the decision (and its counts)
         hashes = (key or {}).get("hashes") or []
         hit_cap = (key or {}).get("hit_cap", len(hashes))
         loads = {r: len(self._inflight[r]) for r in cands}
@@ -210,7 +214,7 @@ class PrefixPolicy:
     def _assign(self, request_id, d: Decision, hit_cap: int) -> None:
         c = self.counters
         prev = self._assigned.get(request_id) if request_id is not None else None
-        if prev is not None:  # Serve re-ran the choice (backoff): move it, count it once
+        if prev is not None:  # re-chosen because its replica left: move it, count it once
             self._inflight.get(prev[0], set()).discard(request_id)
             c[prev[1].kind] -= 1
             c["predicted_hit_blocks"] -= prev[1].predicted_hit_blocks
@@ -227,10 +231,16 @@ class PrefixPolicy:
     def routed(self, request_id: str, replica: Hashable, key: dict | None) -> None:
         """Serve sent the request to `replica`; if that is not our choice (ours was full), move it."""
         prev = self._assigned.get(request_id)
-        if prev is None or prev[0] == replica or replica not in self._slot:
+        if (prev is not None and prev[0] == replica) or replica not in self._slot:
             return
-        self._inflight.get(prev[0], set()).discard(request_id)
         hashes = (key or {}).get("hashes") or []
+        hit_cap = (key or {}).get("hit_cap", len(hashes))
+        if prev is None:  # Serve gave it a replica chosen for another call of the same request id
+            prev = (replica, Decision(replica, "unmatched", 0, 0), hit_cap)
+            self.counters["requests"] += 1
+            self.counters["unmatched"] += 1
+            self.counters["cacheable_blocks"] += hit_cap
+        self._inflight.get(prev[0], set()).discard(request_id)
         d = Decision(replica, prev[1].kind, 0, min(self._held_from_start(replica, hashes), prev[2]))
         self.counters["predicted_hit_blocks"] += d.predicted_hit_blocks - prev[1].predicted_hit_blocks
         self.counters["rerouted"] += 1
@@ -250,7 +260,7 @@ class PrefixPolicy:
             "policy": self.policy,
             "affinity_rate": c["affinity"] / routed,
             "predicted_hit_rate": c["predicted_hit_blocks"] / max(1, c["cacheable_blocks"]),
-            "replicas": {str(r): {"inflight": self.load(r), "tracked_blocks": self.tracked_blocks(r)}
+            "replicas": {str(getattr(r, "unique_id", r)): {"inflight": self.load(r), "tracked_blocks": self.tracked_blocks(r)}
                          for r in self._order},
         })
         return c
@@ -258,21 +268,43 @@ class PrefixPolicy:
 
 # ---------------------------------------------------------------- the Serve RequestRouter
 
-# Routers living in this process (one per DeploymentHandle router to the replica deployment), so the
-# ingress can read their counters: they run on Serve's router event loop, in the ingress process.
-_ROUTERS: "weakref.WeakSet[PrefixAwareRouter]" = weakref.WeakSet()
-_ROUTERS_LOCK = threading.Lock()
+# One policy per target deployment per process, shared by every RequestRouter instance Serve makes
+# for it here (one per handle; it may also build one twice in a race): they route to the same
+# replicas, so they must agree on what each replica holds. The ingress reads counters from here.
+_POLICIES: dict[tuple[str, str], PrefixPolicy] = {}
+_POLICIES_LOCK = threading.Lock()
 
 
-def local_routers(deployment_name: str | None = None) -> list["PrefixAwareRouter"]:
-    with _ROUTERS_LOCK:
-        return [r for r in _ROUTERS if deployment_name is None or r._deployment_id.name == deployment_name]
+def shared_policy(app: str, deployment: str, **kwargs) -> PrefixPolicy:
+    with _POLICIES_LOCK:
+        pol = _POLICIES.get((app, deployment))
+        if pol is None:
+            pol = _POLICIES[(app, deployment)] = PrefixPolicy(**kwargs)
+        return pol
+
+
+def local_policy(app: str, deployment: str) -> PrefixPolicy | None:
+    with _POLICIES_LOCK:
+        return _POLICIES.get((app, deployment))
+
+
+def _call_id(pending_request, key: dict | None) -> str | None:
+    """Identity of one call: the ingress's per-call id, else Serve's internal request id (shared by
+    all calls made while serving one request, so only good for calls made one at a time)."""
+    if key is not None and "call" in key:
+        return key["call"]
+    return pending_request.metadata.internal_request_id if pending_request is not None else None
 
 
 def route_key_of(pending_request) -> dict | None:
+    """The request's route key. The router consumes it: it is taken out of the kwargs on first sight
+    (and kept on the PendingRequest for retries), so replica methods never see routing metadata."""
     if pending_request is None:
         return None
-    key = pending_request.kwargs.get(ROUTE_KWARG)
+    key = getattr(pending_request, "_route_key", None)
+    if key is None and ROUTE_KWARG in pending_request.kwargs:
+        key = pending_request.kwargs.pop(ROUTE_KWARG)
+        pending_request._route_key = key
     return key if isinstance(key, dict) else None
 
 
@@ -281,44 +313,94 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     No FIFOMixin on purpose: the replica chosen for a request must serve *that* request (Serve's
     default exact match on the internal request id), or affinity decisions land on other prompts.
+
+    Serve cloudpickles this class *by value* (RequestRouterConfig registers its module for it), so
+    module globals it touched would be copies: state and registration go through the module
+    imported at run time instead.
     """
 
     def initialize_state(self, policy: str = "prefix", imbalance: int = 8,
                          max_tracked_blocks: int = 100_000) -> None:
-        self.policy = PrefixPolicy(policy, imbalance, max_tracked_blocks)
-        with _ROUTERS_LOCK:
-            _ROUTERS.add(self)
+        from serve_deployments import request_router as impl
+
+        self.policy = impl.shared_policy(self._deployment_id.app_name, self._deployment_id.name, policy=policy,
+                                         imbalance=imbalance, max_tracked_blocks=max_tracked_blocks)
 
     def _policy(self) -> PrefixPolicy:
-        if not hasattr(self, "policy"):  # constructed without initialize_state (defaults)
+        if not hasattr(self, "policy"):  # called before initialize_state: defaults until then
             self.initialize_state()
         return self.policy
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         if not candidate_replicas:
             return []
+        if pending_request is not None:
+            # Serve retries a choice whose replicas were all full or slow to answer their queue-length
+            # probe; without this flag (set by its locality/multiplex helpers, which we do not use) it
+            # retries at once, in a hot loop that starves the very probes it waits for.
+            pending_request.routing_context.should_backoff = True
         policy = self._policy()
         by_id = {r.replica_id: r for r in candidate_replicas}
-        if not all(policy.knows(r) for r in by_id):  # update_replicas normally keeps them in sync
-            policy.set_replicas(list(self._replicas))
-        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
-        d = policy.choose(route_key_of(pending_request), request_id, candidates=list(by_id))
-        return [[by_id[r] for r in rank] for rank in policy.ranked(d.replica, list(by_id))]
+        key = route_key_of(pending_request)
+        request_id = _call_id(pending_request, key)
+        with policy.lock:
+            if not all(policy.knows(r) for r in by_id):  # update_replicas normally keeps them in sync
+                policy.set_replicas(list(self._replicas))
+            d = policy.choose(key, request_id, candidates=list(by_id))
+            ranks = policy.ranked(d.replica, list(by_id))
+        if pending_request is not None:
+            # The first tries offer only our choice: a queue-length probe that is merely slow (a busy
+            # host) must not send a group member elsewhere. Load is the policy's call (spill); Serve's
+            # fallback ranks are for a replica that stays full.
+            tries = getattr(pending_request, "_route_tries", 0) + 1
+            pending_request._route_tries = tries
+            if tries <= FALLBACK_AFTER_TRIES:
+                ranks = ranks[:1]
+        return [[by_id[r] for r in rank] for rank in ranks]
+
+    def _fulfill_next_pending_request(self, replica, request_metadata=None) -> None:
+        """Hand the chosen replica to the call it was chosen for. Serve matches by internal request
+        id, which every call made while serving one request shares: the 8 concurrent calls of a
+        GRPO group would find no match after the first and route forever. The metadata object is
+        per call, so match on it, then fall back to Serve's rule."""
+        if request_metadata is not None:
+            for pr in self._pending_requests_to_fulfill:
+                if pr.metadata is request_metadata and not pr.future.done():
+                    self._cancel_routing_task_for_pending_request(pr)
+                    self._record_queue_wait_time(pr)
+                    pr.future.set_result(replica)
+                    self._remove_pending_request_from_indices(pr)
+                    return
+        super()._fulfill_next_pending_request(replica, request_metadata)
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
-        self._policy().routed(pending_request.metadata.internal_request_id, replica_id,
-                              route_key_of(pending_request))
+        policy = self._policy()
+        key = route_key_of(pending_request)
+        call = _call_id(pending_request, key)
+        with policy.lock:
+            policy.routed(call, replica_id, key)
+        if key is not None and "call" in key:
+            # Completion by call id: on_request_completed only names the internal request id, which
+            # every call made while serving one ingress request shares (a whole GRPO group).
+            def done(_, policy=policy, call=call):
+                with policy.lock:
+                    policy.completed(call)
+
+            result.add_done_callback(done)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self._policy().completed(internal_request_id)
+        policy = self._policy()
+        with policy.lock:
+            policy.completed(internal_request_id)  # calls without a call id; others: no-op
 
     def update_replicas(self, replicas) -> None:
         super().update_replicas(replicas)
-        self._policy().set_replicas([r.replica_id for r in replicas])
+        policy = self._policy()
+        with policy.lock:
+            policy.set_replicas([r.replica_id for r in replicas])
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
-        self._policy().remove_replica(replica_id)
-
-    def snapshot(self) -> dict:
-        return self._policy().snapshot()
+        policy = self._policy()
+        with policy.lock:
+            policy.remove_replica(replica_id)

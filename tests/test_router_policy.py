@@ -133,7 +133,7 @@ def test_retry_counted_once_and_reroute_moves_load():
     pol.set_replicas(["a", "b"])
     key = route_key(prompt(31), BS)
     d1 = pol.choose(key, "r1")
-    pol.choose(key, "r1")  # Serve re-runs choose_replicas on backoff
+    assert pol.choose(key, "r1") == d1  # Serve re-runs choose_replicas on backoff: same decision
     assert pol.snapshot()["requests"] == 1
     other = "b" if d1.replica == "a" else "a"
     pol.routed("r1", other, key)  # our choice was full; Serve used the next rank
@@ -148,3 +148,17 @@ def test_round_robin_policy():
     assert reps in (["a", "b", "a", "b"], ["b", "a", "b", "a"])
     with pytest.raises(ValueError):
         PrefixPolicy(policy="serve_default")  # Serve's own router, not ours
+
+
+def test_router_consumes_the_route_kwarg():
+    """The route key rides in the call's kwargs to the RequestRouter, which removes it before the
+    request is sent: replica methods never see routing metadata."""
+    from types import SimpleNamespace
+
+    from serve_deployments.request_router import route_key_of
+
+    key = route_key(prompt(51), BS)
+    pr = SimpleNamespace(kwargs={"route": key, "other": 1})
+    assert route_key_of(pr) == key and pr.kwargs == {"other": 1}
+    assert route_key_of(pr) == key  # retries still see it
+    assert route_key_of(None) is None and route_key_of(SimpleNamespace(kwargs={})) is None
