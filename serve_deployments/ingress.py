@@ -39,7 +39,8 @@ from serve_deployments.request_router import local_policy
 logger = logging.getLogger("ray.serve")
 
 ADMIN_TOKEN_ENV = "LORA_GRPO_ADMIN_TOKEN"
-BROADCAST_TIMEOUT_S = 120.0
+BROADCAST_TIMEOUT_S = 120.0  # adapter loads: fetch + verify + add_lora on every replica
+HEALTH_TIMEOUT_S = 10.0
 
 api = FastAPI(title="lora-grpo policy service")
 
@@ -144,9 +145,13 @@ class Router:
             return {ROUTE_KWARG: route_key(token_ids, bs, policy_name(version))}
         return {ROUTE_KWARG: route_key(token_ids, bs, None, salt=f"merged-v{version}" if version else "")}
 
-    async def _broadcast(self, method: str, *args) -> tuple[list, list[BaseException]]:
-        results = await self._replica.broadcast(method, *args).results_async(
-            timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True)
+    async def _broadcast(self, method: str, *args, timeout_s: float = BROADCAST_TIMEOUT_S
+                         ) -> tuple[list, list[BaseException]]:
+        try:
+            results = await self._replica.broadcast(method, *args).results_async(
+                timeout_s=timeout_s, return_exceptions=True)
+        except (TimeoutError, asyncio.TimeoutError) as e:
+            return [], [e]
         return ([r for r in results if not isinstance(r, BaseException)],
                 [r for r in results if isinstance(r, BaseException)])
 
@@ -251,7 +256,7 @@ class Router:
         live = await self.live_versions()
         # Merged versions are base weights, not adapters: nothing to hold for them.
         need = {v for v in live[-(await self._engine_info())["max_loras"]:] if v > self._merged_version}
-        ok, errors = await self._broadcast("stats")
+        ok, errors = await self._broadcast("stats", timeout_s=HEALTH_TIMEOUT_S)
         missing = {str(s.get("replica_id")): sorted(need - set(s.get("versions", [])))
                    for s in ok if need - set(s.get("versions", []))}
         ready = not errors and len(ok) >= self._num_replicas and not missing

@@ -61,7 +61,8 @@ class PrefixPolicy:
         self._children: OrderedDict[int, int] = OrderedDict()  # block hash -> next block hash or _MANY
         self._inflight: dict[Hashable, set] = {}  # replica -> request ids routed there, not completed
         self._assigned: dict[str, tuple[Hashable, Decision]] = {}  # request id -> (replica, decision)
-        self._order: list[Hashable] = []
+        self._order: list[Hashable] = []  # replicas by id: the round-robin order
+        self._pos: dict[Hashable, int] = {}
         self._rr = 0
         self.counters = dict.fromkeys(self.COUNTERS, 0)
         self.lock = threading.Lock()  # for callers on several threads (Serve routers); not taken here
@@ -78,6 +79,7 @@ class PrefixPolicy:
             self._lru[r] = OrderedDict()
             self._inflight[r] = set()
         self._order = sorted(self._slot, key=str)
+        self._pos = {r: i for i, r in enumerate(self._order)}
 
     def remove_replica(self, replica: Hashable) -> None:
         """Forget a replica that left: its blocks, its bit in every owner mask, its in-flight set."""
@@ -93,6 +95,7 @@ class PrefixPolicy:
         for rid in self._inflight.pop(replica, ()):
             self._assigned.pop(rid, None)
         self._order = sorted(self._slot, key=str)
+        self._pos = {r: i for i, r in enumerate(self._order)}
 
     def knows(self, replica: Hashable) -> bool:
         return replica in self._slot
@@ -113,7 +116,10 @@ class PrefixPolicy:
                candidates: Sequence[Hashable] | None = None) -> Decision:
         """Pick a replica for a request with route key `key` (None: no prompt, load only) and record
         the choice (blocks + in flight) at once, so the next request of a burst already sees it."""
-        cands = [r for r in (self._order if candidates is None else sorted(candidates, key=str)) if r in self._slot]
+        if candidates is None or (len(candidates) == len(self._order) and all(r in self._slot for r in candidates)):
+            cands = self._order  # the usual case: every replica is a candidate
+        else:
+            cands = sorted((r for r in candidates if r in self._slot), key=self._pos.__getitem__)
         if not cands:
             raise RuntimeError("PrefixPolicy.choose: no replicas")
         prev = self._assigned.get(request_id) if request_id is not None else None
