@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import time
 
 from ray import serve
@@ -118,6 +119,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     body = wait_healthy(handle)
     print(f"serving {cfg.model.path} on http://127.0.0.1:{cfg.rollout.http_port}/v1 "
           f"({body['replicas']} replicas, live: {body['live'] or 'base only'}); Ctrl-C to stop", flush=True)
+    # SIGTERM (docker stop, Kubernetes, a background job) stops it like Ctrl-C: app deleted, Ray shut down.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         while True:
             time.sleep(3600)
@@ -125,4 +128,5 @@ def serve_main(argv: list[str] | None = None) -> int:
         print("stopping", flush=True)
     finally:
         serve.delete(cfg.rollout.app_name)
+        ray.shutdown()
     return 0
