@@ -37,7 +37,7 @@ def build_tokenizer():
 
 
 def build_tiny_model(out: str | Path, seed: int = 0, hidden: int = 128, layers: int = 2,
-                     heads: int = 2, kv_heads: int = 1, intermediate: int = 384,
+                     heads: int = 4, kv_heads: int = 2, intermediate: int = 384,
                      pretrain_steps: int = 200) -> Path:
     """Write config, weights (safetensors, float32), tokenizer and generation config to `out`.
 

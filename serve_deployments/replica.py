@@ -19,6 +19,7 @@ import logging
 import os
 import time
 import uuid
+import zlib
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 from pathlib import Path
@@ -107,6 +108,10 @@ class RolloutReplica:
         self._max_loras = max_loras
         self._max_rank = int(engine.get("max_lora_rank", 16))
         self._prefix = _PrefixCacheCounter()
+        # Replicas are built from identical args; with one seed they would draw identical random
+        # streams, so the k-th request on every replica samples the same tokens (duplicate GRPO samples).
+        engine = dict(engine, seed=(int(engine.get("seed") or 0) * 1_000_003 + zlib.crc32(self.replica_id.encode()))
+                      % (2 ** 31))
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine), stat_loggers=[self._prefix.factory])
         self.block_size = int(self.engine.vllm_config.cache_config.block_size)
         self.max_model_len = int(self.engine.model_config.max_model_len)
