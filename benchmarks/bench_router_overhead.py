@@ -79,6 +79,42 @@ def bench(replicas: int, tracked: int, block_size: int, decisions: int, group: i
             "fill_seconds": fill_s}
 
 
+def quality(replicas: int, groups: int, group: int, block_size: int, service_ticks: int,
+            mode: str, rng: random.Random) -> dict:
+    """Routing quality on a synthetic GRPO stream (not timing): one group of G requests per tick,
+    every prompt = a shared system prompt + its own question, each request in flight for
+    `service_ticks` ticks; 1 in 4 groups repeats an earlier prompt (a prompt seen again next epoch)."""
+    pol = PrefixPolicy(policy="round_robin" if mode == "round_robin" else "prefix", imbalance=8,
+                       skip_generic=(mode != "prefix_plain"))
+    pol.set_replicas([f"r{i}" for i in range(replicas)])
+    system = [rng.randrange(50_000) for _ in range(2 * block_size + 20)]
+    prompts: list[list[int]] = []
+    running: list[tuple[int, str]] = []  # (finish tick, request id)
+    spread, n = [], 0
+    for tick in range(groups):
+        running.sort()
+        while running and running[0][0] <= tick:
+            pol.completed(running.pop(0)[1])
+        if prompts and rng.random() < 0.25:
+            toks = rng.choice(prompts)
+        else:
+            toks = system + [rng.randrange(50_000) for _ in range(4 * block_size + 30)]
+            prompts.append(toks)
+        key = route_key(toks, block_size)
+        for _ in range(group):
+            rid = f"q{n}"
+            n += 1
+            pol.choose(key, rid)
+            running.append((tick + service_ticks, rid))
+        loads = [pol.load(r) for r in pol.replicas]
+        spread.append(max(loads) - min(loads))
+    s = pol.snapshot()
+    return {"mode": mode, "replicas": replicas, "requests": s["requests"],
+            "affinity_rate": s["affinity"] / s["requests"], "spill_rate": s["spill"] / s["requests"],
+            "unmatched_rate": s["unmatched"] / s["requests"], "predicted_hit_rate": s["predicted_hit_rate"],
+            "mean_load_spread": sum(spread) / len(spread), "max_load_spread": max(spread)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="10k tracked blocks, fewer decisions")
@@ -99,11 +135,22 @@ def main(argv=None) -> int:
         print(f"{r['replicas']:>8} {policy:>11} {r['blocks_per_prompt']:>6} {tracked:>11} "
               f"{r['us_per_decision']:>11.1f} {r['us_per_decision_median']:>8.1f} {r['decisions_per_s']:>11.0f} {r['hash_us_per_prompt']:>8.1f} "
               f"{r['affinity_rate']:>8.3f}", flush=True)
+    # Quality of the decision, the part of "measure both" that is not timing: skipping generic blocks
+    # (shared system prompt / template) vs plain longest match vs round robin.
+    print(f"\n{'replicas':>8} {'mode':>13} {'affinity':>8} {'spill':>6} {'unmatched':>9} {'hit rate':>8} "
+          f"{'load spread':>11}")
+    qrows = []
+    for replicas, mode in itertools.product((2, 8), ("prefix", "prefix_plain", "round_robin")):
+        q = quality(replicas, 300 if args.quick else 2000, args.group, 128, service_ticks=replicas,
+                    mode=mode, rng=random.Random(7))
+        qrows.append(q)
+        print(f"{replicas:>8} {mode:>13} {q['affinity_rate']:>8.3f} {q['spill_rate']:>6.3f} "
+              f"{q['unmatched_rate']:>9.3f} {q['predicted_hit_rate']:>8.3f} {q['mean_load_spread']:>11.2f}")
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"python": sys.version.split()[0], "quick": args.quick, "group": args.group,
             "prompt_tokens": 1024, "note": "single thread; decision = PrefixPolicy.choose + completion bookkeeping; "
                                  "us_per_decision = best of 5 chunks (shared host), median alongside"}
-    (OUT / "router_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (OUT / "router_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows, "quality": qrows}, indent=2))
     try:
         import matplotlib
 

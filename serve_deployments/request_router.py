@@ -49,12 +49,14 @@ class PrefixPolicy:
     COUNTERS = ("requests", "affinity", "spill", "unmatched", "round_robin", "predicted_hit_blocks",
                 "cacheable_blocks", "generic_blocks", "rerouted")
 
-    def __init__(self, policy: str = "prefix", imbalance: int = 8, max_tracked_blocks: int = 100_000):
+    def __init__(self, policy: str = "prefix", imbalance: int = 8, max_tracked_blocks: int = 100_000,
+                 skip_generic: bool = True):
         if policy not in ("prefix", "round_robin"):
             raise ValueError(f"PrefixPolicy: policy {policy!r} is not prefix or round_robin")
         self.policy = policy
         self.imbalance = imbalance
         self.max_tracked_blocks = max_tracked_blocks
+        self.skip_generic = skip_generic  # False: plain longest match from the first block (for comparison)
         self._slot: dict[Hashable, int] = {}  # replica -> bit index
         self._lru: dict[Hashable, OrderedDict] = {}  # replica -> block hashes sent there, oldest first
         self._owners: dict[int, int] = {}  # block hash -> bitmask of replicas holding it
@@ -146,7 +148,7 @@ class PrefixPolicy:
         n_all = len(self._slot)
         all_mask = sum(1 << self._slot[r] for r in cands)
         cut = 0
-        for i, h in enumerate(hashes):
+        for i, h in enumerate(hashes if self.skip_generic else ()):
             mask = self._owners.get(h)
             if mask is None:
                 break  # chained: nothing past an unseen block was seen either
@@ -326,11 +328,12 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """
 
     def initialize_state(self, policy: str = "prefix", imbalance: int = 8,
-                         max_tracked_blocks: int = 100_000) -> None:
+                         max_tracked_blocks: int = 100_000, skip_generic: bool = True) -> None:
         from serve_deployments import request_router as impl
 
         self.policy = impl.shared_policy(self._deployment_id.app_name, self._deployment_id.name, policy=policy,
-                                         imbalance=imbalance, max_tracked_blocks=max_tracked_blocks)
+                                         imbalance=imbalance, max_tracked_blocks=max_tracked_blocks,
+                                         skip_generic=skip_generic)
 
     def _policy(self) -> PrefixPolicy:
         if not hasattr(self, "policy"):  # called before initialize_state: defaults until then

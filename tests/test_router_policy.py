@@ -162,3 +162,25 @@ def test_router_consumes_the_route_kwarg():
     assert route_key_of(pr) == key and pr.kwargs == {"other": 1}
     assert route_key_of(pr) == key  # retries still see it
     assert route_key_of(None) is None and route_key_of(SimpleNamespace(kwargs={})) is None
+
+
+def test_plain_longest_match_glues_shared_prefix():
+    """The comparison mode: without skipping generic blocks, new prompts behind a shared system prompt
+    all follow whoever first held it (until the imbalance cap spills them)."""
+    pol = PrefixPolicy(skip_generic=False)
+    pol.set_replicas(["a", "b"])
+    system = prompt(100, 2 * BS)
+    first, _ = send(pol, system + prompt(1, 2 * BS))
+    assert {send(pol, system + prompt(s, 2 * BS))[0].replica for s in range(2, 8)} == {first.replica}
+
+
+def test_router_config_per_policy():
+    from common.config import Config
+    from serve_deployments.app_builder import router_config
+
+    cfg = Config()
+    assert router_config(cfg).request_router_kwargs["policy"] == "prefix"
+    cfg.router.policy = "round_robin"
+    assert router_config(cfg).request_router_kwargs["policy"] == "round_robin"
+    cfg.router.policy = "serve_default"
+    assert router_config(cfg) is None  # Serve's built-in router
