@@ -13,6 +13,14 @@ The decision (DESIGN.md section 2, "Routing"):
   or more requests in flight than the least-loaded one: then spill there;
 - no match: least loaded, round robin among ties;
 - counters: affinity / spill / unmatched requests, and the cache-hit blocks this predicts.
+
+Serve 2.60 facts this relies on (read in ray/serve/_private/router.py, request_router/):
+- Serve cloudpickles the router class by value: shared state lives in this module, imported at run
+  time (`shared_policy`), one policy per target deployment per process;
+- every handle call made while serving one request shares that request's internal id, so the route
+  key carries a per-call id, completion is tracked on the call's result, and a chosen replica is
+  handed to the exact call it was chosen for (`_fulfill_next_pending_request`);
+- `choose_replicas` must set `routing_context.should_backoff`, or Serve retries without sleeping.
 """
 from __future__ import annotations
 
