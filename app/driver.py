@@ -64,10 +64,11 @@ def _init_ray(cfg: Config) -> None:
 class _Progress:
     """tqdm over optimizer steps, fed from the RunMetrics actor; also polls router stats into it."""
 
-    def __init__(self, cfg: Config, metrics, router, enabled: bool):
+    def __init__(self, cfg: Config, metrics, router, buffer, enabled: bool):
         from tqdm import tqdm
 
-        self.metrics, self.router = metrics, router
+        self.metrics, self.router, self.buffer = metrics, router, buffer
+        self._last_row = time.monotonic()
         self.bar = tqdm(total=cfg.train.total_steps, desc=f"GRPO {cfg.run.name}", unit="step", disable=not enabled)
         self.rows: list[dict] = []
         self._last_stats = 0.0
@@ -76,6 +77,11 @@ class _Progress:
         import ray
 
         new = ray.get(self.metrics.get_rows.remote(len(self.rows)))
+        if new:
+            self._last_row = time.monotonic()
+        elif time.monotonic() - self._last_row > 30:  # say why nothing moves
+            self._last_row = time.monotonic()
+            logger.info("waiting for step %d: buffer %s", len(self.rows) + 1, ray.get(self.buffer.stats.remote()))
         for r in new:
             self.rows.append(r)
             self.bar.update(1)
@@ -144,7 +150,7 @@ def run(cfg: Config, *, keep_serving: bool = False, progress: bool = True,
     outcome: dict = {}
     fit = threading.Thread(target=lambda: outcome.update(result=_fit(trainer)), daemon=True)
     fit.start()
-    prog = _Progress(cfg, metrics, router, progress)
+    prog = _Progress(cfg, metrics, router, buffer, progress)
     try:
         while fit.is_alive():
             fit.join(timeout=1.0)
