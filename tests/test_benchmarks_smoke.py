@@ -1,0 +1,56 @@
+"""Smoke test of the benchmarks: each one's --quick mode runs as a subprocess (its own Ray / vLLM),
+exits 0 and writes its JSON with the expected keys into a tmp dir. No timing asserts.
+
+One test function per benchmark; add yours below."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def run_quick(name: str, out: Path, timeout: float = 300) -> dict:
+    """`python -m app bench NAME --quick --out OUT`; returns the JSON it wrote (NAME_quick.json)."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "app", "bench", name, "--quick", "--out", str(out)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"bench {name} --quick exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    path = out / f"{name}_quick.json"
+    assert path.is_file(), f"bench {name} --quick wrote no {path.name}; files: {sorted(p.name for p in out.iterdir())}"
+    assert (out / f"{name}_quick.png").is_file()
+    return json.loads(path.read_text())
+
+
+def test_bench_adapter_sync_quick(tmp_path):
+    doc = run_quick("adapter_sync", tmp_path)
+    assert doc["quick"] is True
+    assert {"full_path", "transport", "targets", "targets_met"} <= set(doc)
+    (row,) = doc["full_path"]
+    assert "error" not in row, row.get("error")
+    for mode in ("adapter", "merged"):
+        assert {"total_s", "broadcast_s", "publish_to_served_s"} <= set(row[mode])
+        assert {"p50", "p95"} <= set(row[mode]["total_s"])
+    payloads = doc["transport"]["payloads"]
+    assert {"adapter_r1", "adapter_r8", "merged", "merged_full_extrapolated"} <= set(payloads)
+    for stage in ("put_s", "broadcast_s", "fetch_s", "verify_s", "write_s", "total_s"):
+        assert {"p50", "p95"} <= set(payloads["adapter_r1"][stage])
+    assert payloads["adapter_r1"]["bytes_ratio_merged_over_adapter"] > 1
+
+
+def test_bench_lora_overhead_quick(tmp_path):
+    doc = run_quick("lora_overhead", tmp_path)
+    assert doc["quick"] is True
+    rows = doc["rows"]
+    assert {"base", "one_adapter", "mixed_adapters"} <= set(rows)
+    for r in rows.values():
+        assert {"tokens_per_s_median", "ratio_vs_base", "tokens_per_s_rounds"} <= set(r)
+        assert r["output_tokens"] == doc["prompts"] * doc["max_tokens"]
+    assert rows["base"]["ratio_vs_base"] == 1.0
