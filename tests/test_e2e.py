@@ -13,7 +13,7 @@ from tests._serve_helpers import free_port
 
 pytestmark = pytest.mark.slow
 
-STEPS = 24
+STEPS = 40
 
 
 def _proportion_z(first: list[dict], last: list[dict]) -> float:
@@ -41,14 +41,14 @@ def e2e_run(tiny_model_dir, tmp_path_factory):
     port = free_port()
     cfg = C.load("recipes/tiny-cpu.yaml", [
         f"model.path={tiny_model_dir}", "model.build_tiny=false", f"run.out_dir={out}", "run.name=e2e",
-        f"train.total_steps={STEPS}", "checkpoint.every=4", f"rollout.http_port={port}"])
+        f"train.total_steps={STEPS}", "checkpoint.every=8", f"rollout.http_port={port}"])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
                                        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600"}})
     serve.start(http_options={"port": port})
     try:
         summary = driver.run(cfg, keep_serving=True, progress=False, extra_loop_cfg={
-            "fail_once_at": {"step": 7, "rank": 1, "marker": str(out / "killed-once")}})
+            "fail_once_at": {"step": 11, "rank": 1, "marker": str(out / "killed-once")}})
         history = ray.get(ray.get_actor("adapter-registry", namespace="lora_grpo").history.remote())
         yield cfg, summary, history, out, port
     finally:
