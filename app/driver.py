@@ -188,10 +188,26 @@ def run(cfg: Config, *, keep_serving: bool = False, progress: bool = True,
     # and the Serve app stay while the final policy is served.
     for actor in [*workers, buffer, metrics]:
         ray.kill(actor)
-    if not keep_serving:
+    if keep_serving:
+        _SERVING[cfg.rollout.app_name] = registry  # a named actor dies with its last handle
+    else:
         serve.delete(cfg.rollout.app_name)
         ray.kill(registry)
     return summary
+
+
+_SERVING: dict = {}
+
+
+def stop_serving(app_name: str) -> None:
+    """End what `run(..., keep_serving=True)` left up: the Serve app and its registry."""
+    import ray
+    from ray import serve
+
+    serve.delete(app_name)
+    registry = _SERVING.pop(app_name, None)
+    if registry is not None:
+        ray.kill(registry)
 
 
 def wall_train(rows: list[dict]) -> float:

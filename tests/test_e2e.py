@@ -51,6 +51,7 @@ def e2e_run(tiny_model_dir, tmp_path_factory):
             "fail_once_at": {"step": 11, "rank": 1, "marker": str(out / "killed-once")}})
         history = ray.get(ray.get_actor("adapter-registry", namespace="lora_grpo").history.remote())
         yield cfg, summary, history, out, port
+        driver.stop_serving(cfg.rollout.app_name)
     finally:
         serve.shutdown()
         ray.shutdown()
