@@ -6,7 +6,8 @@ The cluster is started by this test as `ray start --head --block` in a child pro
 that process stops exactly this cluster (never `ray stop`, which would stop every Ray on the machine).
 """
 import os
-import shutil
+import re
+import secrets
 import subprocess
 import sys
 import time
@@ -21,14 +22,12 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _headers() -> dict:
-    token = Path.home() / ".ray" / "auth_token"
-    return {"Authorization": f"Bearer {token.read_text().strip()}"} if token.exists() else {}
+TOKEN = secrets.token_hex(32)  # this cluster's own auth token (Ray 2.60 token auth), not ~/.ray's
 
 
 def _get(url: str):
     try:
-        return httpx.get(url, headers=_headers(), timeout=10)
+        return httpx.get(url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
     except httpx.HTTPError:
         return None
 
@@ -36,7 +35,10 @@ def _get(url: str):
 def test_job_submit_serves_and_exports_metrics(tiny_model_dir, tmp_path):
     ray_bin = str(Path(sys.executable).parent / "ray")
     gcs, dash, prom, http = free_port(), free_port(), free_port(), free_port()
-    env = dict(os.environ, RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="600", TOKENIZERS_PARALLELISM="false")
+    token_file = tmp_path / "auth_token"
+    token_file.write_text(TOKEN)
+    env = dict(os.environ, RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="600", TOKENIZERS_PARALLELISM="false",
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file))
     head = subprocess.Popen(
         [ray_bin, "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2", "--include-dashboard=true",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--metrics-export-port={prom}",
@@ -57,7 +59,7 @@ def test_job_submit_serves_and_exports_metrics(tiny_model_dir, tmp_path):
              "--set", f"rollout.http_port={http}", "--set", "checkpoint.every=0"],
             env=env, capture_output=True, text=True, timeout=300)
         assert submit.returncode == 0, submit.stdout + submit.stderr
-        job_id = next(w for w in submit.stdout.split() if w.startswith("raysubmit_"))
+        job_id = re.search(r"raysubmit_[A-Za-z0-9]+", submit.stdout).group(0)
 
         seen_app = seen_metric = False
         status = None
