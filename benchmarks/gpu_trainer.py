@@ -77,7 +77,8 @@ def main(argv=None) -> int:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         wall = time.time() - t1
         if proc.returncode != 0:
-            print(proc.stdout[-4000:], proc.stderr[-6000:])
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"gpu_trainer_z{zero}.log").write_text(proc.stdout + proc.stderr)
             results.append({"zero": zero, "ok": False, "error": proc.stderr[-2000:]})
             continue
         rows = [json.loads(l) for l in (dump / "steps.jsonl").read_text().splitlines()]
