@@ -77,9 +77,11 @@ class AdapterPublisher:
     def resume_version(self, checkpoint_version: int) -> int:
         """Continue at max(checkpoint, registry latest) so versions stay monotonic across restarts;
         rank 0 asks the registry and every rank adopts its answer."""
-        import ray
+        latest = 0
+        if self.registry is not None:  # under plain torchrun there is no Ray (and maybe no ray package)
+            import ray
 
-        latest = int(ray.get(self.registry.latest_version.remote())) if self.registry is not None else 0
+            latest = int(ray.get(self.registry.latest_version.remote()))
         obj = [max(checkpoint_version, latest)]
         if dist.is_initialized():
             dist.broadcast_object_list(obj, src=0, device=self.device if self.device.type == "cuda" else None)
