@@ -54,3 +54,22 @@ def test_bench_lora_overhead_quick(tmp_path):
         assert {"tokens_per_s_median", "ratio_vs_base", "tokens_per_s_rounds"} <= set(r)
         assert r["output_tokens"] == doc["prompts"] * doc["max_tokens"]
     assert rows["base"]["ratio_vs_base"] == 1.0
+
+
+def test_routing_quick(tmp_path):
+    doc = run_quick("routing", tmp_path, timeout=420)
+    assert doc["quick"] is True
+    assert {"policies", "workload", "targets", "targets_met", "targets_why", "ratios"} <= set(doc)
+    rows = {r["policy"]: r for r in doc["policies"]}
+    assert {"prefix", "round_robin"} <= set(rows)
+    for r in rows.values():
+        assert "error" not in r, r.get("error")
+        assert {"tokens_per_s", "output_tokens_per_s", "engine", "placement", "router", "ttft"} <= set(r)
+        assert {"hits", "queries", "hit_rate"} <= set(r["engine"])
+        assert {"affinity_first_sight", "implied_hit_rate", "ideal_hit_rate"} <= set(r["placement"])
+        assert {"p50", "p95"} <= set(r["ttft"]["ttft_s"])
+        assert r["ttft"]["errors"] == 0
+        assert r["engine"]["queries"] > 0
+    assert {"affinity_rate", "spill_rate", "predicted_hit_rate"} <= set(rows["prefix"]["router"])
+    assert {"affinity_ge_87pct", "spill_le_1pct", "tokens_per_s_ge_1.3x_round_robin"} <= set(doc["targets_met"])
+    assert "tokens_per_s" in doc["ratios"]["prefix_over_round_robin"]
