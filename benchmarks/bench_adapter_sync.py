@@ -407,7 +407,7 @@ def main(argv=None) -> int:
     model = ensure_model(REPO / "runs" / "tiny-model")
     tmp = Path(tempfile.mkdtemp(prefix="bench-adapter-sync-"))
     merged_frac = 2 * 46_797_824 * args.merged_layers  # bf16 bytes of the measured 1.5B layers (approx.)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              object_store_memory=int(max(1.5 * 2**30, 5 * merged_frac)),
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}})
     t_start = time.time()

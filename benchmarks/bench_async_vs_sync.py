@@ -40,7 +40,7 @@ def main(argv=None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="bench-async-"))
     model = ensure_model(REPO / "runs" / "tiny-model")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
                                        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600"}})
     results = {}

@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         tmp = Path(tmp)
         model = build_tiny_model(tmp / "tiny")
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             for w in args.workers:
                 results.append(run_one(ray, model, tmp, w, args.zero_stage, steps, args))

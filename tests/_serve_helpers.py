@@ -51,7 +51,7 @@ def serve_env(tiny_model_dir, tmp_path_factory):
 
     from app.registry import get_or_create_registry
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     port = free_port()
     serve.start(http_options={"port": port})

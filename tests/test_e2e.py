@@ -42,7 +42,7 @@ def e2e_run(tiny_model_dir, tmp_path_factory):
     cfg = C.load("recipes/tiny-cpu.yaml", [
         f"model.path={tiny_model_dir}", "model.build_tiny=false", f"run.out_dir={out}", "run.name=e2e",
         f"train.total_steps={STEPS}", "checkpoint.every=8", f"rollout.http_port={port}"])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
                                        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600"}})
     serve.start(http_options={"port": port})

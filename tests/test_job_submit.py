@@ -10,6 +10,7 @@ import re
 import secrets
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,3 +87,8 @@ def test_job_submit_serves_and_exports_metrics(tiny_model_dir, tmp_path):
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
             head.kill()
+        # `ray start` records its address for later plain `ray.init()` calls; the cluster is gone, so
+        # drop the record it left (only if it is ours), or those calls try to join a dead cluster.
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        if current.exists() and current.read_text().strip().endswith(f":{gcs}"):
+            current.unlink()
