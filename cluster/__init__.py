@@ -1,0 +1,1 @@
+"""Cluster set-up files: KubeRay manifests and the job runtime environment (YAML, not code)."""
