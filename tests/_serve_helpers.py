@@ -1,7 +1,7 @@
 """Test harness for the Serve side (replica and router tests share it).
 
-- `serve_env` (session fixture): the tiny model built once, Ray started with 4 logical CPUs, Serve on a
-  free port, a real AdapterRegistry; everything shut down at the end.
+- `serve_env` (module fixture): Ray with 4 logical CPUs, Serve on a free port, a real AdapterRegistry,
+  all shut down at the module's end; the tiny model comes from conftest's session `tiny_model_dir`.
 - `make_lora_payload`: a PEFT LoRA over the tiny model with random non-zero B (so it visibly changes
   outputs), as the (tensors, meta) pair the trainer publishes.
 - `publish`: put a payload in the registry the way the trainer does (ref as a top-level argument).
@@ -37,14 +37,7 @@ class ServeEnv:
     http_port: int
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    from app.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def serve_env(tiny_model_dir, tmp_path_factory):
     import ray
     from ray import serve

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from tests._serve_helpers import (Versions, make_lora_payload, prompt_ids, publish, retire_all,  # noqa: F401
-                                  serve_env, small_config, tiny_model_dir)
+                                  serve_env, small_config)
 
 pytestmark = pytest.mark.slow
 
