@@ -171,11 +171,7 @@ def run(cfg: Config, *, keep_serving: bool = False, progress: bool = True,
     adapter_dir = _export_adapter(result, run_dir)
     wall = time.time() - t0
     train_rows = ray.get(metrics.get_rows.remote())
-    gen_busy = sum(r.get("gen_seconds_sum", 0.0) for r in train_rows)
-    summary = summarize(train_rows, wall, {
-        "trainer_idle_fraction": sum(r.get("batch_wait_seconds", 0.0) for r in train_rows)
-        / max(1e-9, sum(r.get("step_seconds", 0.0) for r in train_rows)),
-        "generation_idle_fraction": max(0.0, 1.0 - gen_busy / max(1e-9, cfg.rollout.workers * wall_train(train_rows))),
+    summary = summarize(train_rows, wall, {**idle_fractions(train_rows, cfg.rollout.workers),
         "mode": cfg.run.mode, "max_staleness": cfg.sync.max_staleness, "sync_mode": cfg.sync.mode,
         "adapter_dir": str(adapter_dir) if adapter_dir else None,
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
@@ -208,6 +204,21 @@ def stop_serving(app_name: str) -> None:
     registry = _SERVING.pop(app_name, None)
     if registry is not None:
         ray.kill(registry)
+
+
+def idle_fractions(rows: list[dict], workers: int) -> dict:
+    """Trainer idle = time waiting for a batch / step time; generation idle = 1 - time the rollout
+    workers spent generating / (workers x wall time). Both over steps 2.. (step 1 waits for warm-up)."""
+    steady = rows[1:] if len(rows) > 1 else rows
+    if not steady:
+        return {"trainer_idle_fraction": None, "generation_idle_fraction": None}
+    wall = steady[-1]["time"] - rows[0]["time"] if len(rows) > 1 else steady[0].get("step_seconds", 0.0)
+    gen_busy = sum(r.get("gen_seconds_sum", 0.0) for r in steady)
+    return {
+        "trainer_idle_fraction": sum(r.get("batch_wait_seconds", 0.0) for r in steady)
+        / max(1e-9, sum(r.get("step_seconds", 0.0) for r in steady)),
+        "generation_idle_fraction": max(0.0, 1.0 - gen_busy / max(1e-9, workers * wall)),
+    }
 
 
 def wall_train(rows: list[dict]) -> float:
