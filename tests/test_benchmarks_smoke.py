@@ -73,3 +73,20 @@ def test_routing_quick(tmp_path):
     assert {"affinity_rate", "spill_rate", "predicted_hit_rate"} <= set(rows["prefix"]["router"])
     assert {"affinity_ge_87pct", "spill_le_1pct", "tokens_per_s_ge_1.3x_round_robin"} <= set(doc["targets_met"])
     assert "tokens_per_s" in doc["ratios"]["prefix_over_round_robin"]
+
+
+def test_router_overhead_quick(tmp_path):
+    doc = run_quick("router_overhead", tmp_path)
+    assert doc["rows"] and {"meta", "rows", "quality"} <= set(doc)
+
+
+def test_trainer_quick(tmp_path):
+    doc = run_quick("trainer", tmp_path)
+    assert doc["quick"] is True and [r["workers"] for r in doc["results"]] == [1, 2]
+    assert all(r["adapter_bytes"] > 0 for r in doc["results"])
+
+
+def test_async_vs_sync_quick(tmp_path):
+    doc = run_quick("async_vs_sync", tmp_path, timeout=600)
+    assert set(doc["results"]) == {"sync", "async"}
+    assert all(r["steps"] == doc["steps"] for r in doc["results"].values())
