@@ -39,7 +39,9 @@ def test_job_submit_serves_and_exports_metrics(tiny_model_dir, tmp_path):
     token_file = tmp_path / "auth_token"
     token_file.write_text(TOKEN)
     env = dict(os.environ, RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="600", TOKENIZERS_PARALLELISM="false",
-               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file))
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file),
+               # as after `. .venv/bin/activate`: the job's `python` is this interpreter, not the system's
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     head = subprocess.Popen(
         [ray_bin, "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2", "--include-dashboard=true",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--metrics-export-port={prom}",
