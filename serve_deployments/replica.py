@@ -141,11 +141,10 @@ class RolloutReplica:
 
     def _init_openai(self):
         """vLLM's own OpenAI serving classes over this engine: schema, validation, logprobs, SSE."""
-        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-        from vllm.entrypoints.openai.models.protocol import BaseModelPath
-        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
-        from vllm.renderers.online_renderer import OnlineRenderer
+        from serve_deployments.vllm_compat import openai_serving_classes
+
+        (OpenAIServingModels, BaseModelPath, OpenAIServingCompletion, OpenAIServingChat, OnlineRenderer,
+         *_) = openai_serving_classes()
 
         names = [BASE_NAME] + ([Path(self._model).name] if Path(self._model).name != BASE_NAME else [])
         self._models = OpenAIServingModels(self.engine, [BaseModelPath(name=n, model_path=self._model) for n in names])
@@ -342,8 +341,9 @@ class RolloutReplica:
     async def _openai_call(self, path: str, body: dict):
         """Validate with vLLM's request models and run vLLM's serving class; returns (version, result)."""
         from pydantic import ValidationError
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from serve_deployments.vllm_compat import openai_serving_classes
+
+        *_, CompletionRequest, ChatCompletionRequest = openai_serving_classes()
 
         if path not in ROUTES:
             raise ReplicaError(f"unknown route {path}; this replica serves {', '.join(ROUTES)}", 404)
@@ -372,7 +372,7 @@ class RolloutReplica:
         return self._openai_result(result, requested, version)
 
     def _openai_result(self, result, requested, version) -> dict:
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from serve_deployments.vllm_compat import ErrorResponse
 
         if isinstance(result, ErrorResponse):
             return error_dict(result.error.message, result.error.code, result.error.type)
@@ -480,7 +480,7 @@ class RolloutReplica:
 
 
 def _vllm_error(e: Exception) -> dict:
-    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from serve_deployments.vllm_compat import create_error_response
 
     r = create_error_response(e)
     if r.error.code >= 500:
