@@ -1,21 +1,29 @@
-"""Run metrics: one actor the trainer, workers and driver report to. It writes `metrics.jsonl`, exports
-gauges through `ray.util.metrics` (Ray dashboard / Prometheus), and keeps the rows for the driver."""
+"""Run metrics: one actor the trainer, workers and driver report to. It writes `metrics.jsonl` and the
+configured trackers (`run.loggers`: TensorBoard, MLflow, W&B; see app/loggers.py), exports gauges through
+`ray.util.metrics` (Ray dashboard / Prometheus), and keeps the rows for the driver."""
 from __future__ import annotations
 
-import json
+import logging
 import time
 from pathlib import Path
 
 import ray
 
 METRICS_NAME = "run-metrics"
+logger = logging.getLogger("app.metrics")
 
 
 @ray.remote(num_cpus=0)
 class RunMetrics:
-    def __init__(self, run_dir: str, run_name: str = "grpo"):
+    def __init__(self, run_dir: str, run_name: str = "grpo", tracking: dict | None = None):
+        """`tracking`: `app.loggers.tracking_options(cfg)` (loggers, mlflow_tracking_uri, project, config);
+        None = metrics.jsonl only."""
+        from app.loggers import make_loggers
+
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.loggers = make_loggers(run_dir, run_name, **(tracking or {}))
+        self._closed = False
         self.rows: list[dict] = []
         self.run_name = run_name
         self._gauges: dict = {}
@@ -53,11 +61,29 @@ class RunMetrics:
         self._gen = {"tokens": 0, "seconds": 0.0, "groups": 0, "reward_sum": 0.0}
         self._t_last = now
         self.rows.append(row)
-        with self.path.open("a") as f:
-            f.write(json.dumps(row, default=float) + "\n")
+        self.loggers[0].log(row["step"], row)  # metrics.jsonl
+        for lg in self.loggers[1:]:
+            try:
+                lg.log(row["step"], row)
+            except Exception as e:  # a tracker's hiccup never stops training
+                logger.warning("%s failed at step %d: %s", type(lg).__name__, row["step"], e)
         for k, v in metrics.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 self._gauge(k).set(float(v), tags={"run": self.run_name})
 
     def get_rows(self, since: int = 0) -> list[dict]:
         return self.rows[since:]
+
+    def close(self, status: str = "FINISHED") -> None:
+        """Flush and finish every tracker (MLflow run status FINISHED or FAILED); idempotent. Call it
+        before killing the actor: ray.kill runs no finaliser."""
+        if self._closed:
+            return
+        self._closed = True
+        for lg in self.loggers:
+            try:
+                if hasattr(lg, "status"):
+                    lg.status = status
+                lg.close()
+            except Exception as e:
+                logger.warning("closing %s failed: %s", type(lg).__name__, e)

@@ -4,6 +4,7 @@ names its key. `python -m app train --help` prints `describe()`."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import typing
 from dataclasses import dataclass, field
@@ -14,6 +15,10 @@ import yaml
 
 # vLLM accepts only these LoRA ranks as `max_lora_rank` (vllm/config/lora.py MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+# run.loggers -> (modules, any one of which will do; the pip extra that installs them). See app/loggers.py.
+LOGGER_PACKAGES = {"jsonl": ((), ""), "tensorboard": (("tensorboard", "tensorboardX"), "tracking"),
+                   "mlflow": (("mlflow",), "tracking"), "wandb": (("wandb",), "wandb")}
 
 
 def _f(default, help: str, **kw):
@@ -33,7 +38,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = _f("builtin:letters", "Prompts: a .parquet or .jsonl file, or `builtin:letters` (toy task).")
+    path: str = _f("builtin:letters", "Prompts: a .parquet or .jsonl file, a directory of split files or written by "
+                                      "`datasets` save_to_disk (see `split`), or `builtin:letters` (toy task).")
     prompt_column: str = _f("prompt", "Column holding the prompt text.")
     answer_column: str = _f("answer", "Column holding the reference answer given to the reward.")
     id_column: str | None = _f(None, "Optional column with a stable prompt id (row index otherwise).")
@@ -42,6 +48,10 @@ class DataConfig:
     shuffle_seed: int = _f(0, "Seed of the per-epoch shuffle.")
     epochs: int = _f(100, "Passes over the data (training stops at train.total_steps anyway).")
     builtin_size: int = _f(256, "Number of prompts the builtin task generates.")
+    split: str = _f("train", "Split to read when `path` holds several: a `datasets` save_to_disk DatasetDict, or "
+                             "a directory of SPLIT.parquet / SPLIT.jsonl / SPLIT-*.parquet files.")
+    on_bad_row: str = _f("error", "A row with a missing/null column, a non-string or empty prompt or an empty answer: "
+                                  "`error` refuses the data (naming row, column, problem), `skip` drops and counts it.")
 
 
 @dataclass
@@ -138,6 +148,13 @@ class RunConfig:
     mode: str = _f("async", "async (rollouts run ahead) | sync (generate, then train, alternating).")
     serve_after: bool = _f(False, "Keep serving the final policy after training until interrupted.")
     ray_address: str | None = _f(None, "Ray address to join; null = the job's cluster or a new local one.")
+    loggers: list = _f(["jsonl"], "Experiment trackers: any of jsonl, tensorboard, mlflow, wandb (jsonl = "
+                                  "metrics.jsonl, always on; tensorboard -> RUN_DIR/tensorboard/; mlflow -> "
+                                  "mlflow_tracking_uri; wandb offline in RUN_DIR/wandb/ unless WANDB_API_KEY is set). "
+                                  "pip install -e '.[tracking]' (tensorboard, mlflow) or '.[wandb]'.")
+    mlflow_tracking_uri: str | None = _f(None, "MLflow tracking URI (e.g. http://host:5000); null = the file store "
+                                               "RUN_DIR/mlruns.")
+    tracking_project: str = _f("lora-grpo", "MLflow experiment / W&B project the run is logged under.")
 
 
 @dataclass
@@ -315,6 +332,8 @@ def validate(cfg: Config) -> None:
     need(m.max_model_len >= 16, "model.max_model_len: must be >= 16")
     need(cfg.data.epochs >= 1, "data.epochs: must be >= 1")
     need(cfg.data.builtin_size >= 1, "data.builtin_size: must be >= 1")
+    need(cfg.data.on_bad_row in ("error", "skip"), f"data.on_bad_row: {cfg.data.on_bad_row!r} is not error or skip")
+    need(bool(cfg.data.split) and "/" not in cfg.data.split, f"data.split: {cfg.data.split!r} is not a split name")
     need(":" in cfg.reward.fn, f"reward.fn: {cfg.reward.fn!r} is not `module:function`")
     need(cfg.reward.where in ("worker", "task"), f"reward.where: {cfg.reward.where!r} is not worker or task")
     need(lo.rank > 0, f"lora.rank: must be > 0, got {lo.rank}")
@@ -371,6 +390,14 @@ def validate(cfg: Config) -> None:
     need(cfg.checkpoint.every >= 0, "checkpoint.every: must be >= 0")
     need(cfg.checkpoint.keep >= 1, "checkpoint.keep: must be >= 1")
     need(cfg.run.mode in ("async", "sync"), f"run.mode: {cfg.run.mode!r} is not async or sync")
+    need(all(x in LOGGER_PACKAGES for x in cfg.run.loggers),
+         f"run.loggers: {cfg.run.loggers!r} has unknown entries (known: {', '.join(LOGGER_PACKAGES)})")
+    for name in cfg.run.loggers:
+        mods, extra = LOGGER_PACKAGES.get(name, ((), ""))
+        need(not mods or any(importlib.util.find_spec(m) is not None for m in mods),
+             f"run.loggers: {name} needs the `{mods[0] if mods else name}` package, which is not installed: "
+             f"pip install -e '.[{extra}]' (or pip install {mods[0] if mods else name})")
+    need(bool(cfg.run.tracking_project), "run.tracking_project: must be a non-empty name")
     need(bool(cfg.run.name) and "/" not in cfg.run.name, "run.name: must be a non-empty name without '/'")
     if p:
         raise ConfigError(p)
