@@ -12,6 +12,7 @@ COMMANDS = {
     "tiny-model": "build the embedded tiny Qwen2 model (deterministic from a seed)",
     "validate": "load and validate a config (and its data and model) without starting anything",
     "bench": "run a benchmark from benchmarks/ (python -m app bench NAME [args])",
+    "report": "regenerate a run's plots and print its summary (finished, failed or still running)",
 }
 
 
@@ -123,6 +124,21 @@ def cmd_bench(argv: list[str]) -> int:
     return 0
 
 
+def cmd_report(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m app report", description=COMMANDS["report"])
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (run.out_dir/run.name, e.g. runs/tiny-cpu)")
+    p.add_argument("--no-plots", action="store_true", help="print the summary only")
+    args = p.parse_args(argv)
+    from app.report import report
+
+    try:
+        print(report(args.run_dir, plots=not args.no_plots))
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -131,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     fn = {"train": cmd_train, "serve": cmd_serve, "merge": cmd_merge, "tiny-model": cmd_tiny_model,
-          "validate": cmd_validate, "bench": cmd_bench}.get(cmd)
+          "validate": cmd_validate, "bench": cmd_bench, "report": cmd_report}.get(cmd)
     if fn is None:
         print(f"unknown command {cmd!r}\n\n{_top_help()}", file=sys.stderr)
         return 2
