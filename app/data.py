@@ -1,13 +1,33 @@
-"""Prompts: parquet/JSONL (pyarrow) or the builtin toy task, a column map, a seeded per-epoch shuffle
-and a resumable cursor. Bad files, missing columns and bad rows fail here, before any actor starts."""
+"""Prompts: parquet/JSONL files, directories of split files, `datasets` save_to_disk directories (read
+with pyarrow, no `datasets` needed) or the builtin toy task; a column map, a seeded per-epoch shuffle and a
+resumable cursor. Bad files, missing columns and bad rows fail here, before any actor starts.
+
+`data.path` may be:
+- a `.parquet`, `.jsonl`/`.json` (one object per line) or `.arrow` file;
+- a directory written by `datasets` `save_to_disk`: a Dataset (`state.json` + `data-*.arrow`, read whole)
+  or a DatasetDict (`dataset_dict.json`; `data.split` picks the split);
+- a directory of split files: `SPLIT.parquet`, `SPLIT.jsonl`, `SPLIT-*.parquet` (shards, concatenated in
+  name order) or `SPLIT/*.parquet`, directly in it or in its `data/` folder (the Hub's layout); `data.split`
+  (default `train`) picks the split.
+
+A bad row (a null/missing value, a non-string or empty prompt, an empty answer) is named by its 0-based row
+number, column and problem; `data.on_bad_row: error` refuses the data, `skip` drops and counts such rows.
+"""
 from __future__ import annotations
 
+import json
+import logging
 import random
+import re
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import DataConfig
+
+logger = logging.getLogger("app.data")
+
+_EXTS = (".parquet", ".jsonl", ".json", ".arrow")
 
 
 class DataError(ValueError):
@@ -25,48 +45,218 @@ def letters_task(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def _read_table(path: Path):
-    import pyarrow.json as pj
+def _read_arrow(path: Path):
+    """An Arrow IPC file: the streaming format `datasets` writes, or the random-access file format."""
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(str(path)) as src:
+            return pa.ipc.open_stream(src).read_all()
+    except pa.ArrowInvalid:
+        with pa.memory_map(str(path)) as src:
+            return pa.ipc.open_file(src).read_all()
+
+
+class Columns:
+    """A table's columns as Python lists: from pyarrow (parquet, arrow) or from JSON objects, whose values
+    may differ in type from row to row (a number where a string should be is a bad row, not a bad file)."""
+
+    def __init__(self, names: list[str], get, n: int):
+        self.names, self._get, self.n = names, get, n
+
+    @classmethod
+    def from_arrow(cls, table) -> "Columns":
+        return cls(table.column_names, lambda c: table.column(c).to_pylist(), table.num_rows)
+
+    @classmethod
+    def from_records(cls, records: list[dict]) -> "Columns":
+        names = list(dict.fromkeys(k for r in records for k in r))
+        return cls(names, lambda c: [r.get(c) for r in records], len(records))
+
+    def column(self, name: str) -> list:
+        return self._get(name) if name in self.names else [None] * self.n
+
+
+def _read_json_records(path: Path) -> list[dict]:
+    """JSON lines (or, for .json, one array of objects), parsed with the json module."""
+    text = path.read_text()
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except ValueError as e:
+            raise DataError(f"data.path: cannot read {path} (not valid JSON: {e})") from e
+        where = "item"
+    else:
+        records = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError as e:
+                raise DataError(f"data.path: cannot read {path} (line {i}: not valid JSON: {e})") from e
+        where = "line"
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise DataError(f"data.path: cannot read {path} ({where} {i + 1 if where == 'line' else i}: "
+                            f"not a JSON object)")
+    return records
+
+
+def _read_table(path: Path) -> Columns:
     import pyarrow.parquet as pq
 
     if not path.is_file():
         raise DataError(f"data.path: {path} not found")
+    if path.suffix in (".jsonl", ".json"):
+        return Columns.from_records(_read_json_records(path))
     try:
         if path.suffix == ".parquet":
-            return pq.read_table(path)
-        if path.suffix in (".jsonl", ".json"):
-            return pj.read_json(path)
+            return Columns.from_arrow(pq.read_table(path))
+        if path.suffix == ".arrow":
+            return Columns.from_arrow(_read_arrow(path))
     except Exception as e:  # pyarrow raises ArrowInvalid and friends on malformed files
         raise DataError(f"data.path: cannot read {path} ({e})") from e
-    raise DataError(f"data.path: {path} is neither .parquet nor .jsonl")
+    raise DataError(f"data.path: {path} is neither .parquet, .jsonl, .json nor .arrow")
 
 
-def load_prompts(cfg: DataConfig) -> list[dict]:
-    """Rows `{"id", "prompt", "answer"}`; raises DataError naming the key, column or row at fault."""
+def _concat(parts: list[Columns]) -> Columns:
+    """Files of one split, one after the other; a column one file lacks is null in its rows."""
+    if len(parts) == 1:
+        return parts[0]
+    names = list(dict.fromkeys(n for p in parts for n in p.names))
+    return Columns(names, lambda c: [v for p in parts for v in p.column(c)], sum(p.n for p in parts))
+
+
+def _read_hf_dataset(d: Path):
+    """A `datasets` save_to_disk Dataset directory: its arrow shards in state.json's order."""
+    try:
+        state = json.loads((d / "state.json").read_text())
+        files = [d / f["filename"] for f in state.get("_data_files", [])]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"data.path: {d / 'state.json'} is not a `datasets` state file ({e})") from e
+    files = files or sorted(d.glob("data-*.arrow"))
+    if not files:
+        raise DataError(f"data.path: {d} holds no data-*.arrow files")
+    parts = []
+    for f in files:
+        if not f.is_file():
+            raise DataError(f"data.path: {f} (listed in state.json) not found")
+        try:
+            parts.append(Columns.from_arrow(_read_arrow(f)))
+        except Exception as e:
+            raise DataError(f"data.path: cannot read {f} ({e})") from e
+    return _concat(parts)
+
+
+def _split_of(name: str) -> str:
+    """`train-00000-of-00002.parquet` -> train; `test.jsonl` -> test."""
+    return re.split(r"[-.]", name, maxsplit=1)[0]
+
+
+def _split_files(d: Path) -> dict[str, list[Path]]:
+    """Split name -> its data files, in DIR and DIR/data: SPLIT.ext, SPLIT-*.ext, SPLIT/*.ext."""
+    found: dict[str, list[Path]] = {}
+    for base in (d, d / "data"):
+        if not base.is_dir():
+            continue
+        for f in sorted(base.iterdir()):
+            if f.is_file() and f.suffix in _EXTS:
+                found.setdefault(_split_of(f.name), []).append(f)
+            elif f.is_dir() and f.name != "data":
+                files = sorted(x for x in f.iterdir() if x.is_file() and x.suffix in _EXTS)
+                if files:
+                    found.setdefault(f.name, []).extend(files)
+    return found
+
+
+def _resolve(cfg: DataConfig):
+    """data.path (+ data.split) -> (Columns, what to call it in messages)."""
+    path, split = Path(cfg.path), getattr(cfg, "split", "train")
+    if not path.is_dir():
+        return _read_table(path), cfg.path
+    if (path / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"data.path: {path / 'dataset_dict.json'} is not a `datasets` DatasetDict file ({e})") from e
+        if split not in splits:
+            raise DataError(f"data.split: {split!r} is not a split of {path} (splits: {', '.join(splits)})")
+        return _read_hf_dataset(path / split), f"{path} [{split}]"
+    if (path / "state.json").is_file():
+        return _read_hf_dataset(path), str(path)
+    splits = _split_files(path)
+    if split not in splits:
+        known = ", ".join(sorted(splits)) or "none: no .parquet/.jsonl/.arrow files, dataset_dict.json or state.json"
+        raise DataError(f"data.split: no {split!r} data in directory {path} (splits found: {known})")
+    files = splits[split]
+    return _concat([_read_table(f) for f in files]), f"{path} [{split}]"
+
+
+def _problem(value, column: str, kind: str) -> str | None:
+    """What is wrong with one cell, or None. kind: prompt | answer | id."""
+    if value is None:
+        return f"column {column!r} is missing (null)"
+    if kind == "prompt" and not isinstance(value, str):
+        return f"column {column!r} must be a string, got {type(value).__name__} {value!r:.60}"
+    if kind in ("prompt", "answer") and isinstance(value, str) and not value.strip():
+        return f"column {column!r} is empty"
+    if kind == "answer" and isinstance(value, (list, dict)) and not value:
+        return f"column {column!r} is empty"
+    return None
+
+
+@dataclass
+class PromptLoad:
+    """What `load_prompts_with_report` read: the rows kept, and the bad rows skipped (data.on_bad_row=skip)."""
+    rows: list[dict]
+    skipped: int = 0
+    problems: list[str] = field(default_factory=list)  # the first few skipped rows' problems
+    source: str = ""
+
+
+def load_prompts_with_report(cfg: DataConfig) -> PromptLoad:
+    """Rows `{"id", "prompt", "answer"}` plus how many bad rows were skipped; raises DataError naming the
+    key, split, column or row at fault."""
     if cfg.path.startswith("builtin:"):
         task = cfg.path.split(":", 1)[1]
         if task != "letters":
             raise DataError(f"data.path: unknown builtin task {task!r} (known: letters)")
-        return letters_task(cfg.builtin_size, cfg.shuffle_seed)
-    table = _read_table(Path(cfg.path))
-    cols = table.column_names
+        return PromptLoad(letters_task(cfg.builtin_size, cfg.shuffle_seed), source=cfg.path)
+    table, source = _resolve(cfg)
+    cols = table.names
     for key in ("prompt_column", "answer_column", "id_column"):
         col = getattr(cfg, key)
         if col is not None and col not in cols:
-            raise DataError(f"data.{key}: column {col!r} is not in {cfg.path} (columns: {', '.join(cols)})")
-    prompts = table.column(cfg.prompt_column).to_pylist()
-    answers = table.column(cfg.answer_column).to_pylist()
-    ids = table.column(cfg.id_column).to_pylist() if cfg.id_column else list(range(len(prompts)))
-    rows = []
+            raise DataError(f"data.{key}: column {col!r} is not in {source} (columns: {', '.join(cols)})")
+    prompts = table.column(cfg.prompt_column)
+    answers = table.column(cfg.answer_column)
+    ids = table.column(cfg.id_column) if cfg.id_column else list(range(len(prompts)))
+    rows, bad = [], []
     for i, (p, a, pid) in enumerate(zip(prompts, answers, ids)):
-        if not isinstance(p, str) or not p.strip():
-            raise DataError(f"{cfg.path} row {i}: column {cfg.prompt_column!r} must be a non-empty string, got {p!r}")
-        if a is None:
-            raise DataError(f"{cfg.path} row {i}: column {cfg.answer_column!r} is null")
+        problem = (_problem(p, cfg.prompt_column, "prompt") or _problem(a, cfg.answer_column, "answer")
+                   or (_problem(pid, cfg.id_column, "id") if cfg.id_column else None))
+        if problem:
+            bad.append(f"row {i}: {problem}")
+            continue
         rows.append({"id": str(pid), "prompt": p, "answer": str(a)})
+    if bad and getattr(cfg, "on_bad_row", "error") != "skip":
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise DataError(f"{source}: {'; '.join(bad[:5])}{more} ({len(bad)} bad row(s) of {len(prompts)}; "
+                        "data.on_bad_row=skip drops them)")
     if not rows:
-        raise DataError(f"data.path: {cfg.path} has no rows")
-    return rows
+        raise DataError(f"data.path: {source} has no rows" + (f" left after skipping {len(bad)} bad row(s)" if bad else ""))
+    return PromptLoad(rows, len(bad), bad[:5], source)
+
+
+def load_prompts(cfg: DataConfig) -> list[dict]:
+    """Rows `{"id", "prompt", "answer"}`; raises DataError naming the key, column or row at fault. Skipped
+    bad rows (data.on_bad_row=skip) are logged; `load_prompts_with_report` also returns their count."""
+    res = load_prompts_with_report(cfg)
+    if res.skipped:
+        logger.warning("data: skipped %d bad row(s) of %s (data.on_bad_row=skip): %s%s", res.skipped, res.source,
+                       "; ".join(res.problems), " ..." if res.skipped > len(res.problems) else "")
+    return res.rows
 
 
 @dataclass
