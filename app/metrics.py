@@ -46,6 +46,13 @@ class RunMetrics:
         self._gen["groups"] += 1
         self._gen["reward_sum"] += reward_mean
 
+    def log_filtered_group(self, tokens: int = 0, seconds: float = 0.0) -> None:
+        """A group dynamic sampling dropped (all rewards equal): its generation still counts toward the
+        throughput; the running total `filtered_groups` rides on the following rows."""
+        self._gen["tokens"] += tokens
+        self._gen["seconds"] += seconds
+        self._extra["filtered_groups"] = self._extra.get("filtered_groups", 0) + 1
+
     def set_extra(self, values: dict) -> None:
         """Values the driver polls (router and engine stats), attached to the following rows."""
         self._extra.update(values)

@@ -1,12 +1,20 @@
 """Reward functions, named in config by dotted path `module:function`.
 
-Signature: `fn(completion: str, answer: str, prompt: str) -> float`. They run in the rollout workers
-(or as Ray tasks with reward.where=task), so they must be picklable module-level functions.
+Signature: `fn(completion: str, answer: str, prompt: str) -> float`. A function that also accepts the
+keyword `row` gets the whole data row (a dict: id, prompt, answer and any extra columns), and one that
+accepts `finish_reason` gets vLLM's reason the completion ended ("stop", "length", ...); `**kwargs` gets
+both. `load_scorer` inspects the signature once. They run in the rollout workers (or as Ray tasks with
+reward.where=task), so they must be picklable module-level functions.
+
+`overlong_penalty` is DAPO's soft overlong punishment, added to the reward by the rollout workers when
+grpo.dapo_overlong_buffer > 0.
 """
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
+from dataclasses import dataclass
 from typing import Callable
 
 RewardFn = Callable[[str, str, str], float]
@@ -53,6 +61,53 @@ def boxed_math_reward(completion: str, answer: str, prompt: str = "") -> float:
         return 1.0 if verify(gold, pred) else 0.0
     except Exception:  # math-verify raises on exotic input; a wrong format earns nothing
         return 0.0
+
+
+def overlong_penalty(length: int, max_len: int, buffer: int, penalty: float = 1.0) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_len - buffer tokens, then falling linearly to -penalty at
+    max_len (and -penalty beyond). buffer 0 = off."""
+    if buffer <= 0:
+        return 0.0
+    over = length - (max_len - buffer)
+    if over <= 0:
+        return 0.0
+    return -penalty * min(over / buffer, 1.0)
+
+
+_EXTRAS = ("row", "finish_reason")
+
+
+def extra_reward_kwargs(fn: Callable) -> tuple[str, ...]:
+    """Which of `row`, `finish_reason` the reward function takes as keywords (both for `**kwargs`)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return ()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return _EXTRAS
+    kw = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(p.name for p in params if p.name in _EXTRAS and p.kind in kw)
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """A reward function and the extra keywords it takes; `scorer(completion, row, finish_reason)`."""
+
+    fn: Callable
+    extras: tuple[str, ...] = ()
+
+    def __call__(self, completion: str, row: dict, finish_reason: str | None = None) -> float:
+        given = {"row": row, "finish_reason": finish_reason}
+        return float(self.fn(completion, row["answer"], row["prompt"], **{k: given[k] for k in self.extras}))
+
+
+def scorer_for(fn: Callable) -> Scorer:
+    return Scorer(fn, extra_reward_kwargs(fn))
+
+
+def load_scorer(dotted: str) -> Scorer:
+    """`load_reward` plus the signature inspection: what the rollout workers call."""
+    return scorer_for(load_reward(dotted))
 
 
 def load_reward(dotted: str) -> RewardFn:

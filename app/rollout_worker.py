@@ -3,6 +3,11 @@ groups tagged with the policy version -> the rollout buffer.
 
 Every group is sampled under one version, chosen when it starts (the newest live one) and pinned for
 all G requests, so a rollout finishes under the version it started with even if newer ones go live.
+
+Rewards get the data row and each completion's finish_reason (app/rewards.py), plus DAPO's overlong
+penalty when grpo.dapo_overlong_buffer > 0. With grpo.dynamic_sampling, a group whose rewards are all equal
+(zero advantages: no learning signal) is not put in the buffer: its slot is released, so a new group is
+sampled in its place, and it is counted (`filtered_groups`, RunMetrics.log_filtered_group).
 """
 from __future__ import annotations
 
@@ -16,10 +21,10 @@ from common.types import Group, Sample
 
 
 @ray.remote(num_cpus=0)
-def _reward_task(dotted: str, completion: str, answer: str, prompt: str) -> float:
-    from app.rewards import load_reward
+def _reward_task(dotted: str, completion: str, row: dict, finish_reason: str | None) -> float:
+    from app.rewards import load_scorer
 
-    return load_reward(dotted)(completion, answer, prompt)
+    return load_scorer(dotted)(completion, row, finish_reason)
 
 
 @ray.remote(num_cpus=0)
@@ -28,19 +33,20 @@ class RolloutWorker:
         from transformers import AutoTokenizer
 
         from app.data import Cursor, PromptStream
-        from app.rewards import load_reward
+        from app.rewards import load_scorer
 
         self.cfg: Config = from_dict(cfg)
         self.worker_id = worker_id
         self.buffer, self.metrics = buffer, metrics
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
-        self.reward_fn = load_reward(self.cfg.reward.fn)
+        self.scorer = load_scorer(self.cfg.reward.fn)
         d = self.cfg.data
         # Workers take disjoint strides of one seeded order, so no prompt is sampled twice per epoch.
         self.stream = PromptStream(rows[worker_id::self.cfg.rollout.workers], d.shuffle_seed + worker_id, d.epochs,
                                    Cursor())
         self._stop = False
         self.groups_done = 0
+        self.filtered_groups = 0  # dynamic sampling: groups dropped for all-equal rewards
         self._router = None
 
     def _router_handle(self):
@@ -50,11 +56,20 @@ class RolloutWorker:
             self._router = serve.get_app_handle(self.cfg.rollout.app_name)
         return self._router
 
-    async def _score(self, texts: list[str], row: dict) -> list[float]:
+    async def _score(self, comps: list[dict], row: dict) -> list[float]:
+        """Task rewards plus the overlong penalty, one per completion."""
+        from app.rewards import overlong_penalty
+
         if self.cfg.reward.where == "task":
-            refs = [_reward_task.remote(self.cfg.reward.fn, t, row["answer"], row["prompt"]) for t in texts]
-            return [float(r) for r in await asyncio.gather(*refs)]
-        return [float(self.reward_fn(t, row["answer"], row["prompt"])) for t in texts]
+            refs = [_reward_task.remote(self.cfg.reward.fn, c["text"], row, c.get("finish_reason")) for c in comps]
+            rewards = [float(r) for r in await asyncio.gather(*refs)]
+        else:
+            rewards = [self.scorer(c["text"], row, c.get("finish_reason")) for c in comps]
+        g = self.cfg.grpo
+        if g.dapo_overlong_buffer > 0:
+            rewards = [r + overlong_penalty(len(c["token_ids"]), g.max_new_tokens, g.dapo_overlong_buffer,
+                                            g.dapo_overlong_penalty) for r, c in zip(rewards, comps)]
+        return rewards
 
     async def rollout_one(self, row: dict) -> Group:
         from app.data import render_prompt
@@ -71,8 +86,8 @@ class RolloutWorker:
         versions = {c["version"] for c in comps}
         if len(versions) != 1:  # the router pins one version per group; anything else is a bug upstream
             raise RuntimeError(f"group sampled under several versions {sorted(versions)}")
-        rewards = await self._score([c["text"] for c in comps], row)
-        adv = group_advantages(torch.tensor([rewards]), scale_by_std=g.scale_rewards)[0].tolist()
+        rewards = await self._score(comps, row)
+        adv = group_advantages(torch.tensor([rewards]), scale_by_std=self.cfg.scale_advantages)[0].tolist()
         version = versions.pop()
         samples = [Sample(prompt_ids=list(prompt_ids), completion_ids=list(c["token_ids"]),
                           behaviour_logprobs=list(c["logprobs"]), reward=r, advantage=a, version=version,
@@ -96,6 +111,13 @@ class RolloutWorker:
             except Exception:
                 await self.buffer.release.remote()
                 raise
+            if self.cfg.grpo.dynamic_sampling and len(set(group.rewards)) == 1:
+                # DAPO dynamic sampling: no learning signal; the freed slot makes a new group in its place
+                await self.buffer.release.remote()
+                self.filtered_groups += 1
+                if self.metrics is not None:
+                    self.metrics.log_filtered_group.remote(group.gen_tokens, group.gen_seconds)
+                continue
             await self.buffer.put.remote(group)
             self.groups_done += 1
             if self.metrics is not None:

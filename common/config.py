@@ -16,6 +16,24 @@ import yaml
 # vLLM accepts only these LoRA ranks as `max_lora_rank` (vllm/config/lora.py MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
+# grpo.loss: the policy losses train_loops/losses.py registers (it checks at import that its registry holds
+# exactly these names), each with the line `train --help` shows.
+POLICY_LOSSES = {
+    "grpo": "PPO-clipped surrogate per token against the vLLM behaviour logprobs (clip_eps_low/high, "
+            "tis_cap, loss_agg)",
+    "dr_grpo": "Dr. GRPO: the grpo surrogate, advantages not divided by the group std, each sequence's token sum "
+               "divided by the constant dr_grpo_norm_len (not by its length)",
+    "gspo": "Qwen GSPO: sequence ratio exp(mean token log-ratio), clipped per sequence at "
+            "gspo_clip_eps_low/high, token-level gradient (GSPO-token), mean over sequences",
+    "cispo": "MiniMax-M1 CISPO: REINFORCE weighted by the detached clipped IS ratio "
+             "clip(r, 1-cispo_eps_low, 1+cispo_eps_high); no token is dropped (loss_agg)",
+    "dapo": "DAPO: the surrogate with clip-higher (dapo_clip_eps_low/high), token mean over the whole step; full "
+            "DAPO adds dynamic_sampling=true and dapo_overlong_buffer > 0",
+}
+LOSS_NAMES = tuple(POLICY_LOSSES)
+# grpo.loss_agg: how grpo and cispo reduce per-token losses over a step.
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
 # run.loggers -> (modules, any one of which will do; the pip extra that installs them). See app/loggers.py.
 LOGGER_PACKAGES = {"jsonl": ((), ""), "tensorboard": (("tensorboard", "tensorboardX"), "tracking"),
                    "mlflow": (("mlflow",), "tracking"), "wandb": (("wandb",), "wandb")}
@@ -56,7 +74,9 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str = _f("app.rewards:letter_reward", "Reward function `module:function(completion, answer, prompt) -> float`.")
+    fn: str = _f("app.rewards:letter_reward", "Reward function `module:function(completion, answer, prompt) -> float`; "
+                                              "it also gets the data row (`row=`, every column) and vLLM's "
+                                              "`finish_reason=` (stop | length) when it accepts those keywords.")
     where: str = _f("worker", "Run rewards in the rollout worker (`worker`) or as Ray tasks (`task`).")
 
 
@@ -76,12 +96,30 @@ class GRPOConfig:
     prompts_per_step: int = _f(8, "Prompts per optimizer step (batch = prompts_per_step x group_size).")
     lr: float = _f(1e-3, "AdamW learning rate over the LoRA parameters.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
+    loss: str = _f("grpo", "Policy loss (train_loops/losses.py), one of:\n"
+                   + "\n".join(f"      {k}: {v}" for k, v in POLICY_LOSSES.items()))
     clip_eps_low: float = _f(0.2, "PPO clip: ratio lower bound 1 - eps_low.")
     clip_eps_high: float = _f(0.2, "PPO clip: ratio upper bound 1 + eps_high (DAPO clip-higher when larger).")
     kl_coef: float = _f(0.0, "KL to the base policy (adapter disabled); 0 skips the reference forward.")
-    tis_cap: float | None = _f(None, "Truncated importance sampling cap on trainer/behaviour ratio; null = off.")
-    scale_rewards: bool = _f(True, "Divide advantages by the group std (False = Dr. GRPO).")
-    loss_agg: str = _f("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum.")
+    tis_cap: float | None = _f(None, "Truncated importance sampling cap on trainer/behaviour ratio; null = off "
+                                     "(losses grpo, dr_grpo, dapo).")
+    scale_rewards: bool = _f(True, "Divide advantages by the group std (always off under loss dr_grpo).")
+    loss_agg: str = _f("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum: the reduction of losses "
+                                     "grpo and cispo (dr_grpo, gspo and dapo have their own).")
+    gspo_clip_eps_low: float = _f(3e-4, "gspo: sequence ratio lower bound 1 - eps (GSPO's ranges are tiny).")
+    gspo_clip_eps_high: float = _f(4e-4, "gspo: sequence ratio upper bound 1 + eps.")
+    cispo_eps_low: float = _f(1.0, "cispo: IS weight lower bound 1 - eps (1.0 = none, as in MiniMax-M1).")
+    cispo_eps_high: float = _f(0.28, "cispo: IS weight upper bound 1 + eps.")
+    dapo_clip_eps_low: float = _f(0.2, "dapo: ratio lower bound 1 - eps.")
+    dapo_clip_eps_high: float = _f(0.28, "dapo: ratio upper bound 1 + eps (clip-higher: > dapo_clip_eps_low).")
+    dr_grpo_norm_len: int | None = _f(None, "dr_grpo: the constant each sequence's token sum is divided by; "
+                                            "null = grpo.max_new_tokens.")
+    dapo_overlong_buffer: int = _f(0, "Overlong reward shaping (any loss): completions longer than max_new_tokens "
+                                      "- buffer get a penalty growing linearly to -dapo_overlong_penalty at "
+                                      "max_new_tokens; 0 = off.")
+    dapo_overlong_penalty: float = _f(1.0, "Overlong shaping: the penalty at max_new_tokens.")
+    dynamic_sampling: bool = _f(False, "Drop groups whose rewards are all equal (no learning signal) and sample "
+                                       "new ones in their place (DAPO); counted as filtered_groups.")
     temperature: float = _f(1.0, "Sampling temperature.")
     top_p: float = _f(1.0, "Sampling top-p.")
     max_new_tokens: int = _f(16, "Max completion tokens.")
@@ -172,6 +210,11 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     # Derived values live here, computed from fields, never stored twice.
+    @property
+    def scale_advantages(self) -> bool:
+        """Divide advantages by the group std: grpo.scale_rewards, never under Dr. GRPO."""
+        return self.grpo.scale_rewards and self.grpo.loss != "dr_grpo"
+
     @property
     def max_loras(self) -> int:
         return self.sync.max_loras if self.sync.max_loras is not None else self.sync.max_staleness + 2
@@ -349,8 +392,18 @@ def validate(cfg: Config) -> None:
     need(g.clip_eps_low < 1, "grpo.clip_eps_low: must be < 1")
     need(g.kl_coef >= 0, "grpo.kl_coef: must be >= 0")
     need(g.tis_cap is None or g.tis_cap >= 1.0, f"grpo.tis_cap: must be null or >= 1, got {g.tis_cap}")
-    need(g.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
-         f"grpo.loss_agg: {g.loss_agg!r} is not token-mean, seq-mean-token-mean or seq-mean-token-sum")
+    need(g.loss_agg in LOSS_AGGS, f"grpo.loss_agg: {g.loss_agg!r} is not one of {', '.join(LOSS_AGGS)}")
+    need(g.loss in LOSS_NAMES, f"grpo.loss: {g.loss!r} is not one of {', '.join(LOSS_NAMES)}")
+    need(g.tis_cap is None or g.loss in ("grpo", "dr_grpo", "dapo"),
+         f"grpo.tis_cap: applies to losses grpo, dr_grpo and dapo; {g.loss} weights by the behaviour ratio itself")
+    for k in ("gspo_clip_eps_low", "gspo_clip_eps_high", "dapo_clip_eps_low", "dapo_clip_eps_high", "cispo_eps_high"):
+        need(getattr(g, k) > 0, f"grpo.{k}: must be > 0, got {getattr(g, k)}")
+    need(g.gspo_clip_eps_low < 1 and g.dapo_clip_eps_low < 1, "grpo.gspo_clip_eps_low/dapo_clip_eps_low: must be < 1")
+    need(0 < g.cispo_eps_low <= 1, f"grpo.cispo_eps_low: must be in (0, 1], got {g.cispo_eps_low}")
+    need(g.dr_grpo_norm_len is None or g.dr_grpo_norm_len >= 1, "grpo.dr_grpo_norm_len: must be null or >= 1")
+    need(0 <= g.dapo_overlong_buffer < g.max_new_tokens,
+         f"grpo.dapo_overlong_buffer: must be in [0, max_new_tokens {g.max_new_tokens}), got {g.dapo_overlong_buffer}")
+    need(g.dapo_overlong_penalty >= 0, "grpo.dapo_overlong_penalty: must be >= 0")
     need(g.temperature > 0, "grpo.temperature: must be > 0")
     need(0 < g.top_p <= 1, "grpo.top_p: must be in (0, 1]")
     need(1 <= g.max_new_tokens < m.max_model_len, "grpo.max_new_tokens: must be >= 1 and < model.max_model_len")

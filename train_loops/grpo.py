@@ -1,5 +1,6 @@
-"""GRPO math: group-relative advantages, the clipped off-policy surrogate, and token logprobs computed
-in chunks so a full-vocabulary float32 log-softmax over the whole batch never exists at once.
+"""GRPO math: group-relative advantages, token logprobs computed in chunks so a full-vocabulary float32
+log-softmax over the whole batch never exists at once, and `grpo_loss`, a keyword wrapper over the `grpo`
+loss of the registry in train_loops/losses.py (where every policy loss lives).
 
 Shapes: B sequences, T completion positions (right-padded), `mask[b, t] = 1` on real completion tokens.
 """
@@ -9,7 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+from common.config import LOSS_AGGS, GRPOConfig
+from train_loops.losses import agg_loss, get_policy_loss
+
+__all__ = ["LOSS_AGGS", "aggregate", "group_advantages", "grpo_loss", "chunked_token_logprobs",
+           "sequence_logprobs", "reference_logits_logprobs"]
 
 
 def group_advantages(rewards: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -23,87 +28,37 @@ def group_advantages(rewards: torch.Tensor, scale_by_std: bool = True, eps: floa
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_agg: str,
-              token_denominator: float | None = None) -> torch.Tensor:
-    """Reduce a [B, T] per-token quantity over the real tokens of each sequence, then the batch.
+              token_denominator: float | None = None, seq_denominator: float | None = None) -> torch.Tensor:
+    """`losses.agg_loss` with this micro-batch's own token / sequence counts where a denominator is None."""
+    token_denominator, seq_denominator = _own_denominators(mask, per_token.dtype, token_denominator, seq_denominator)
+    return agg_loss(per_token, mask, loss_agg, token_denominator=token_denominator, seq_denominator=seq_denominator)
 
-    `token_denominator` (token-mean only) replaces this micro-batch's token count: the trainer passes the
-    whole step's token count divided by (ranks x micro-batches), so after DeepSpeed averages gradients
-    over ranks and accumulation steps the result is the mean over every token of the step, not a mean of
-    per-rank means (which would weight tokens of short micro-batches more)."""
-    mask = mask.to(per_token.dtype)
-    if loss_agg == "token-mean":
-        denom = mask.sum().clamp(min=1.0) if token_denominator is None else token_denominator
-        return (per_token * mask).sum() / denom
-    seq_sum = (per_token * mask).sum(dim=1)
-    if loss_agg == "seq-mean-token-mean":
-        return (seq_sum / mask.sum(dim=1).clamp(min=1.0)).mean()
-    if loss_agg == "seq-mean-token-sum":
-        return seq_sum.mean()
-    raise ValueError(f"loss_agg {loss_agg!r} is not one of {LOSS_AGGS}")
+
+def _own_denominators(mask, dtype, token_denominator, seq_denominator):
+    if token_denominator is None:
+        token_denominator = mask.to(dtype).sum().clamp(min=1.0)
+    if seq_denominator is None:
+        seq_denominator = max(mask.shape[0], 1)
+    return token_denominator, seq_denominator
 
 
 def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, *,
               clip_eps_low: float, clip_eps_high: float, loss_agg: str = "token-mean", kl_coef: float = 0.0,
               ref_logp: torch.Tensor | None = None, tis_cap: float | None = None,
-              entropy: torch.Tensor | None = None,
-              token_denominator: float | None = None) -> tuple[torch.Tensor, dict]:
-    """Clipped policy-gradient loss over behaviour (vLLM) logprobs; returns (loss, float stats).
+              entropy: torch.Tensor | None = None, token_denominator: float | None = None,
+              seq_denominator: float | None = None) -> tuple[torch.Tensor, dict]:
+    """The registry's `grpo` loss (see train_loops/losses.py) with its options as keywords.
 
-    Without TIS: r = exp(logp - behaviour_logp) and the per-token loss is -min(r*A, clip(r, 1-lo, 1+hi)*A)
-    (PPO/GRPO, the behaviour policy is the proximal one).
-
-    With `tis_cap` (truncated importance sampling, the decoupled form of Yao et al. 2025 / verl): the
-    proximal policy is the trainer's own current policy sg(pi), so r = exp(logp - sg(logp)) (value 1,
-    gradient d logp), and the trainer/sampler mismatch is corrected by the detached weight
-    w = min(exp(sg(logp) - behaviour_logp), tis_cap); per-token loss = -w * min(r*A, clip(r)*A).
-    Each batch is used for one optimizer step, so this is truncated-IS REINFORCE; the PPO ratio against
-    the behaviour policy is still what `clip_frac` reports.
-
-    KL: k3 estimator exp(ref - logp) - (ref - logp) - 1 against the base policy, added as kl_coef * KL.
-    `advantages` is [B] (one per sequence) or [B, T]; `token_denominator`: see `aggregate`.
-    """
-    if advantages.dim() == 1:
-        advantages = advantages[:, None]
-    advantages = advantages.to(logp.dtype)
-    maskf = mask.to(logp.dtype)
-    log_ratio_behaviour = logp - behaviour_logp
-    if tis_cap is None:
-        ratio = torch.exp(log_ratio_behaviour)
-        weight = None
-    else:
-        ratio = torch.exp(logp - logp.detach())
-        weight = torch.exp(log_ratio_behaviour.detach()).clamp(max=tis_cap)
-    clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
-    if weight is not None:
-        per_token = per_token * weight
-    kl_tok = None
-    if ref_logp is not None:
-        d = ref_logp - logp
-        kl_tok = torch.exp(d) - d - 1.0
-        if kl_coef:
-            per_token = per_token + kl_coef * kl_tok
-    loss = aggregate(per_token, mask, loss_agg, token_denominator)
-
-    with torch.no_grad():
-        n = maskf.sum().clamp(min=1.0)
-        real = mask.bool()
-        r_b = torch.exp(log_ratio_behaviour)
-        clip_hit = ((r_b > 1.0 + clip_eps_high) & (advantages > 0)) | ((r_b < 1.0 - clip_eps_low) & (advantages < 0))
-        abs_lr = log_ratio_behaviour.abs()
-        stats = {
-            "clip_frac": float((clip_hit.to(logp.dtype) * maskf).sum() / n),
-            "log_ratio_abs_mean": float((abs_lr * maskf).sum() / n),
-            "log_ratio_abs_max": float(abs_lr[real].max()) if real.any() else 0.0,
-            "kl": float((kl_tok * maskf).sum() / n) if kl_tok is not None else 0.0,
-            "tokens": int(maskf.sum()),
-        }
-        if weight is not None:
-            stats["tis_weight_mean"] = float((weight * maskf).sum() / n)
-            stats["tis_clip_frac"] = float(((r_b > tis_cap).to(logp.dtype) * maskf).sum() / n)
-        if entropy is not None:
-            stats["entropy"] = float((entropy.to(logp.dtype) * maskf).sum() / n)
-    return loss, stats
+    Without TIS: r = exp(logp - behaviour_logp), per-token loss -min(r*A, clip(r, 1-lo, 1+hi)*A). With
+    `tis_cap`: truncated-IS REINFORCE, -min(exp(logp - logp.detach()), ...) * A * min(exp(logp - behaviour),
+    tis_cap). KL: k3 to `ref_logp`, added as kl_coef * KL. `token_denominator` / `seq_denominator`: the
+    step's tokens / sequences per rank; None = this micro-batch's own count (a mean over the micro-batch)."""
+    opts = GRPOConfig(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, loss_agg=loss_agg, kl_coef=kl_coef,
+                      tis_cap=tis_cap)
+    token_denominator, seq_denominator = _own_denominators(mask, logp.dtype, token_denominator, seq_denominator)
+    return get_policy_loss("grpo")(logp, behaviour_logp, mask, advantages, opts=opts, ref_logp=ref_logp,
+                                   entropy=entropy, token_denominator=token_denominator,
+                                   seq_denominator=seq_denominator)
 
 
 def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.nn.Module, temperature: float):
