@@ -53,6 +53,11 @@ class RunMetrics:
         self._gen["seconds"] += seconds
         self._extra["filtered_groups"] = self._extra.get("filtered_groups", 0) + 1
 
+    def add_count(self, key: str, n: int = 1) -> None:
+        """A running total reported as it happens (e.g. the rollout workers' `version_mismatches`, which
+        must stay 0); it rides on the following rows. n=0 makes the key appear."""
+        self._extra[key] = self._extra.get(key, 0) + int(n)
+
     def set_extra(self, values: dict) -> None:
         """Values the driver polls (router and engine stats), attached to the following rows."""
         self._extra.update(values)

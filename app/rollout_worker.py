@@ -86,6 +86,7 @@ class RolloutWorker:
         versions = {c["version"] for c in comps}
         if len(versions) != 1:  # the router pins one version per group; anything else is a bug upstream
             raise RuntimeError(f"group sampled under several versions {sorted(versions)}")
+        await self._check_served(comps)
         rewards = await self._score(comps, row)
         adv = group_advantages(torch.tensor([rewards]), scale_by_std=self.cfg.scale_advantages)[0].tolist()
         version = versions.pop()
@@ -95,6 +96,36 @@ class RolloutWorker:
                    for c, r, a in zip(comps, rewards, adv)]
         return Group(samples=samples, version=version, prompt_id=row["id"], gen_seconds=gen_s,
                      gen_tokens=sum(len(c["token_ids"]) for c in comps))
+
+    async def _check_served(self, comps: list[dict]) -> None:
+        """Served-version proof: each completion's adapter digest must be the one the registry published
+        under the version it names (fetched once per version; None for the original base model).
+        Mismatches are counted (`version_mismatches` on the metrics rows, which must stay 0) and the
+        group is refused: its samples would train on a wrong behaviour policy."""
+        from app.registry import get_registry
+
+        cache = self.__dict__.setdefault("_published_sha", {})
+        first = not hasattr(self, "version_mismatches")
+        self.version_mismatches = getattr(self, "version_mismatches", 0)
+        bad = []
+        for c in comps:
+            v = int(c["version"])
+            if v not in cache:
+                try:
+                    cache[v] = (await get_registry().get.remote(v))["meta"].get("sha256") if v > 0 else None
+                except Exception:  # trimmed from the registry already (or none here): nothing to compare with
+                    continue
+            if c.get("sha256") != cache[v]:
+                bad.append((v, c.get("replica_id"), c.get("sha256")))
+        self.version_mismatches += len(bad)
+        report = getattr(self.metrics, "add_count", None)
+        if report is not None and (bad or first):
+            report.remote("version_mismatches", len(bad))  # the first call makes the 0 visible
+        if bad:
+            v, rid, sha = bad[0]
+            raise RuntimeError(f"served-version mismatch on {len(bad)} of {len(comps)} samples: replica {rid} "
+                               f"answered policy-v{v} with sha256 {str(sha)[:12]}, the registry published "
+                               f"{str(cache.get(v))[:12]}")
 
     async def run(self) -> int:
         """Loop until stopped or the data runs out; returns the number of groups produced."""

@@ -154,6 +154,11 @@ class RolloutConfig:
     http_port: int = _f(8000, "Serve HTTP port of the OpenAI-compatible router.")
     admin_token: str | None = _f(None, "Bearer token for admin routes; env LORA_GRPO_ADMIN_TOKEN if null; none = admin off.")
     app_name: str = _f("policy", "Serve application name.")
+    max_body_bytes: int = _f(4 * 1024 * 1024, "Largest REST request body in bytes; a larger one is answered 413 "
+                                              "without being parsed.")
+    max_inflight_per_replica: int | None = _f(
+        None, "REST + rollout requests in flight per replica (the router ingress admits at most this x replicas); "
+              "a REST request over it is answered 429 with Retry-After. null = 4 x max_num_seqs.")
 
 
 @dataclass
@@ -426,6 +431,9 @@ def validate(cfg: Config) -> None:
     need(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization: must be in (0, 1]")
     need(r.workers >= 1, "rollout.workers: must be >= 1")
     need(1 <= r.http_port <= 65535, "rollout.http_port: must be a TCP port")
+    need(r.max_body_bytes >= 1024, f"rollout.max_body_bytes: must be >= 1024, got {r.max_body_bytes}")
+    need(r.max_inflight_per_replica is None or r.max_inflight_per_replica >= 1,
+         f"rollout.max_inflight_per_replica: must be >= 1 or null, got {r.max_inflight_per_replica}")
     need(cfg.router.policy in ("prefix", "round_robin", "serve_default"),
          f"router.policy: {cfg.router.policy!r} is not prefix, round_robin or serve_default")
     need(cfg.router.imbalance >= 1, "router.imbalance: must be >= 1")

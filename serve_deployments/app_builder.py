@@ -41,7 +41,13 @@ def build_app(cfg: Config, registry_name: str, registry_namespace: str) -> serve
     ingress = Router.options(ray_actor_options={
         "num_cpus": 0.1, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}})
     return ingress.bind(replica, str(cfg.model.path), cfg.rollout.replicas, registry_name, registry_namespace, token,
-                        cfg.router.policy)
+                        cfg.router.policy, max_inflight_per_replica(cfg), cfg.rollout.max_body_bytes)
+
+
+def max_inflight_per_replica(cfg: Config) -> int:
+    """rollout.max_inflight_per_replica, or 4 x max_num_seqs: enough queued work to keep an engine's
+    batch full, not so much that a burst waits unboundedly (the ingress answers 429 beyond it)."""
+    return cfg.rollout.max_inflight_per_replica or 4 * cfg.rollout.max_num_seqs
 
 
 def start_service(cfg: Config, registry_name: str | None = None, registry_namespace: str | None = None,
@@ -63,6 +69,21 @@ def start_service(cfg: Config, registry_name: str | None = None, registry_namesp
                        route_prefix="/")
     ray.get(registry.attach_router.remote(cfg.rollout.app_name))
     return handle
+
+
+def start_with_adapter(cfg: Config, registry, payload: tuple[dict, dict] | None = None
+                       ) -> tuple[serve.handle.DeploymentHandle, int | None]:
+    """What `app serve` does: publish the adapter (if any) BEFORE the app starts, so every replica
+    loads it in its constructor (before Serve routes to it) and /health cannot answer 200 while
+    policy-v1 is unknown. Returns the ingress handle and the adapter's version."""
+    import ray
+
+    version = None
+    if payload is not None:
+        ray.get(registry.attach_router.remote(None))  # no app yet: the registry just holds it, live
+        version = ray.get(registry.latest_version.remote()) + 1
+        ray.get(registry.publish.remote(version, ray.put(payload[0]), payload[1]))
+    return start_service(cfg, registry=registry), version
 
 
 def wait_healthy(handle, timeout_s: float = 300.0) -> dict:
@@ -111,10 +132,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     address = args.address or cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
     ray.init(address=address or None, ignore_reinit_error=True)
     registry = get_or_create_registry()
-    handle = start_service(cfg, registry=registry)
-    if payload is not None:
-        version = ray.get(registry.latest_version.remote()) + 1
-        ray.get(registry.publish.remote(version, ray.put(payload[0]), payload[1]))
+    handle, version = start_with_adapter(cfg, registry, payload)
+    if version is not None:
         print(f"published {args.adapter} as policy-v{version} (policy-latest)", flush=True)
     body = wait_healthy(handle)
     print(f"serving {cfg.model.path} on http://127.0.0.1:{cfg.rollout.http_port}/v1 "

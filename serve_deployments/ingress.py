@@ -2,12 +2,28 @@
 
 Two faces, one object:
 - OpenAI-compatible REST on Serve's HTTP port (/v1/completions, /v1/chat/completions, /v1/models,
-  /health) plus bearer-token admin routes (/admin/...). Requests are validated here (4xx with a
-  message; the service stays up), tokenized with the model's tokenizer (chat template for chat) to
-  compute the prefix route key, and forwarded to the chosen replica's `openai` / `openai_stream`,
-  where vLLM's own OpenAI serving code runs.
+  /health) plus bearer-token admin routes (/admin/...). Requests are validated here, tokenized with
+  the model's tokenizer (chat template for chat) to compute the prefix route key, and forwarded to
+  the chosen replica's `openai` / `openai_stream`, where vLLM's own OpenAI serving code runs.
 - Python handle methods for the driver: `generate_group`, `load_adapter` / `unload_adapter`, `pause` /
-  `resume`, `update_weights`, `live_versions`, `stats`.
+  `resume`, `update_weights`, `live_versions`, `stats`, `health`.
+
+Hostile input (every case answers an OpenAI-style `{"error": {message, type, param, code}}`, never a
+5xx, and the service stays up):
+- bodies over `rollout.max_body_bytes` -> 413 before parsing; not strict UTF-8 JSON, NaN/Infinity,
+  lone surrogates, nesting deeper than MAX_DEPTH, integers outside int64 -> 400;
+- model names: `base`, the model directory's name, `policy-vN`, `policy-latest`; anything path-like
+  -> 400 (never echoed), unknown -> 404; the server's paths never appear in a response (`model` is
+  the public id of the version that served it, error messages are scrubbed);
+- wrong types / ranges / context overflow / malformed chat messages -> 400 (here or from vLLM's own
+  validation on the replica, whose status is passed through);
+- unknown routes and methods -> 404 / 405 (401 under /admin without the token);
+- overload: REST + rollout calls in flight are capped at `max_inflight_per_replica` x replicas; a REST
+  request over the cap gets 429 with Retry-After instead of queueing without bound.
+
+Served-version proof: a completion's `model` is the exact version that produced it (`policy-vN` also
+when `policy-latest` was asked, `base` for the base model) and the response carries
+`x-policy-version` and `x-adapter-sha256` (the digest of the adapter the replica used).
 
 Routing happens in the replica handle's RequestRouter (request_router.PrefixAwareRouter): every call
 that carries a prompt passes its route key as the `route` kwarg. State changes go to every replica
@@ -15,7 +31,7 @@ with `DeploymentHandle.broadcast`.
 
 Liveness: the AdapterRegistry owns which versions are live (it marks one live only after
 `load_adapter` here returned, i.e. after every replica acknowledged); this deployment only withholds
-versions an operator unloaded.
+versions an operator unloaded. `/health` is 200 only when every replica holds every live version.
 """
 from __future__ import annotations
 
@@ -23,14 +39,18 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import os
+import re
 import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.types import POLICY_LATEST, parse_policy_name, policy_name
 from serve_deployments.prefix_hash import ROUTE_KWARG, route_key
@@ -41,27 +61,104 @@ logger = logging.getLogger("ray.serve")
 ADMIN_TOKEN_ENV = "LORA_GRPO_ADMIN_TOKEN"
 BROADCAST_TIMEOUT_S = 120.0  # adapter loads: fetch + verify + add_lora on every replica
 HEALTH_TIMEOUT_S = 10.0
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_INFLIGHT_PER_REPLICA = 256  # rollout.max_inflight_per_replica; app_builder passes 4 x max_num_seqs
+RETRY_AFTER_S = 1
+BODY_TIMEOUT_S = 30.0  # a body that trickles in slower than this is answered 408, not waited on forever
+MAX_DEPTH = 32  # JSON nesting; chat messages with tool schemas need < 10
+INT64 = 2 ** 63 - 1  # vLLM turns sampling integers into int64 tensors; larger ones overflow in the engine
+BASE_NAME = "base"  # the replica's name for the base model (replica.BASE_NAME)
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# apply_chat_template arguments a client's chat_template_kwargs must not override.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+_MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+# Absolute paths with 2+ components (not our own routes): scrubbed from every message that leaves.
+_ABS_PATH = re.compile(r"(?<![\w.:/])/(?!v1/|admin/)[\w.\-~]+(?:/[\w.\-~]*)+")
 
 api = FastAPI(title="lora-grpo policy service")
+
+
+def _json(body, status: int = 200, headers: dict | None = None) -> Response:
+    """JSON with non-ASCII escaped: a response can never fail to encode (no 500 after the fact)."""
+    return Response(json.dumps(body, ensure_ascii=True), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+def error_body(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> dict:
+    return {"error": {"message": _scrub(message), "type": type_, "param": param, "code": status}}
 
 
 class APIError(Exception):
     """A client error: becomes an OpenAI-style error body with this status."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
 
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.status}}, status_code=self.status)
+    def response(self) -> Response:
+        return _json(error_body(self.status, self.message, self.type, self.param), self.status, self.headers)
+
+
+# The model directory (and its real path), added by the Router. Everything the Router class uses must
+# be defined above it: Serve pickles the ingress class by value when it is decorated.
+_SCRUB_ROOTS: list[str] = []
+
+
+def _add_scrub_roots(*roots: str) -> None:
+    for root in roots:
+        if len(root) > 1 and root not in _SCRUB_ROOTS:
+            _SCRUB_ROOTS.append(root)
+    _SCRUB_ROOTS.sort(key=len, reverse=True)
+
+
+def _scrub(message: str) -> str:
+    """No server path leaves this process: the model dir becomes its public id, other paths <path>."""
+    message = str(message)
+    for root in _SCRUB_ROOTS:
+        message = message.replace(root, BASE_NAME)
+    return _ABS_PATH.sub("<path>", message)
+
+
+def _openai_type(status: int) -> str:
+    """OpenAI's error type for a status (vLLM's own names, e.g. BadRequestError, are not OpenAI's)."""
+    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+            429: "rate_limit_error"}.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def _overloaded(limit: int) -> APIError:
+    return APIError(429, f"server busy: {limit} requests in flight (the limit); retry after {RETRY_AFTER_S}s",
+                    "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+# ---------------------------------------------------------------- app-level handlers (no 5xx for input)
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return _json(error_body(exc.status_code, str(exc.detail), kind), exc.status_code)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    return _json(error_body(400, "invalid request"), 400)
+
+
+@api.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception):
+    logger.exception("unhandled error on %s", request.url.path)
+    return _json(error_body(500, "internal error", "server_error"), 500)
 
 
 def _version(text: str) -> int:
     """Admin path versions: `3` or `policy-v3`; parsed after the token check, so a stranger learns nothing."""
-    v = parse_policy_name(text) if text.startswith("policy-") else (int(text) if text.isdigit() else None)
+    v = parse_policy_name(text) if text.startswith("policy-") else (int(text) if text.isdigit() and len(text) < 19
+                                                                     else None)
     if v is None or v < 1:
-        raise APIError(400, f"{text!r} is not a policy version (1, 2, ... or policy-vN)", param="version")
+        raise APIError(400, "not a policy version (1, 2, ... or policy-vN)", param="version")
     return v
 
 
@@ -72,8 +169,8 @@ def _per_call(kw: dict) -> dict:
 
 
 def _base_id(model_path: str) -> str:
-    """The base model's id in /v1/models: its directory name (the path and "base" are accepted too)."""
-    return os.path.basename(str(model_path).rstrip("/")) or str(model_path)
+    """The base model's id in /v1/models: its directory name ("base" is accepted too)."""
+    return os.path.basename(str(model_path).rstrip("/")) or BASE_NAME
 
 
 class AdapterLoadError(RuntimeError):
@@ -87,16 +184,122 @@ def _short(e: BaseException) -> str:
     return f"{type(cause).__name__}: {lines[-1] if lines else ''}".strip()
 
 
+def _reject_non_finite(text: str):
+    raise ValueError(f"{text} is not valid JSON (numbers must be finite)")
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"number {text[:32]} is out of range")
+    return x
+
+
+def _check_tree(body) -> None:
+    """Every string valid UTF-8 (no lone surrogates), every integer within int64, nesting bounded."""
+    stack = [(body, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise APIError(400, f"request body nests deeper than {MAX_DEPTH} levels")
+        if isinstance(node, str):
+            _check_str(node)
+        elif isinstance(node, bool) or node is None or isinstance(node, float):
+            pass
+        elif isinstance(node, int):
+            if not -INT64 - 1 <= node <= INT64:
+                raise APIError(400, "integer out of range (at most 64-bit integers are accepted)")
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                _check_str(k)
+                stack.append((v, depth + 1))
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+
+
+def _check_str(s: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "request body contains an invalid string (a lone UTF-16 surrogate such as \\ud800)"
+                       ) from None
+
+
+def _int_field(body: dict, field: str, lo: int, hi: int) -> int | None:
+    v = body.get(field)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise APIError(400, f"{field} must be an integer in [{lo}, {hi}], got {_show(v)}", param=field)
+    return v
+
+
+def _show(v) -> str:
+    text = json.dumps(v, ensure_ascii=True)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class _Once:
+    """Runs its function once, however often called (the in-flight slot of one request)."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def __call__(self):
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+def _sse_error(chunk) -> dict | None:
+    """The error dict of an SSE `data: {"error": ...}` chunk, else None."""
+    if not isinstance(chunk, str) or not chunk.startswith("data: {") or '"error"' not in chunk[:64]:
+        return None
+    try:
+        obj = json.loads(chunk[len("data: "):])
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) and isinstance(obj.get("error"), dict) and "choices" not in obj else None
+
+
+def _check_messages(msgs) -> list[dict]:
+    """Chat messages of the shape OpenAI accepts: {role, content} with a known role and text content
+    (a string or a list of {type: text, text} parts; assistant turns with tool_calls may omit it)."""
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise APIError(400, f"messages[{i}] must be an object with role and content", param="messages")
+        if m.get("role") not in ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}", param="messages")
+        c = m.get("content")
+        if isinstance(c, list) and c and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in c):
+            m = dict(m, content="\n".join(p["text"] for p in c))  # how vLLM joins text parts
+        elif not (isinstance(c, str) or (c is None and m["role"] == "assistant" and m.get("tool_calls"))):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts "
+                                "({type: text, text: string})", param="messages")
+        if "name" in m and not isinstance(m["name"], str):
+            raise APIError(400, f"messages[{i}].name must be a string", param="messages")
+        out.append(m)
+    return out
+
+
 @serve.deployment(name="Router", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0.1})
 @serve.ingress(api)
 class Router:
     def __init__(self, replica: DeploymentHandle, model_path: str, num_replicas: int,
                  registry_name: str, registry_namespace: str, admin_token: str | None = None,
-                 router_policy: str = "prefix"):
+                 router_policy: str = "prefix", max_inflight_per_replica: int | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         from transformers import AutoTokenizer
 
         self._replica = replica
         self._tok = AutoTokenizer.from_pretrained(model_path)
+        self._vocab = len(self._tok)
+        # A prompt of more characters than this cannot fit the context: refused without tokenizing.
+        self._max_token_chars = max(1, max((len(t) for t in self._tok.get_vocab()), default=1))
         self._num_replicas = num_replicas
         self._registry_name, self._registry_namespace = registry_name, registry_namespace
         self._registry = None
@@ -107,6 +310,12 @@ class Router:
         self._ctl = asyncio.Lock()  # one state change at a time: loads, unloads, weight updates
         # Serve's built-in router would pass the route key on to the replica, which takes none.
         self._routed = router_policy != "serve_default"
+        self._max_inflight = max(1, int(max_inflight_per_replica or DEFAULT_INFLIGHT_PER_REPLICA)) * num_replicas
+        self._max_body = int(max_body_bytes)
+        self._inflight = 0  # REST sequences + rollout calls now at the replicas
+        self._counts = {"rejected_429": 0, "rejected_413": 0, "rejected_4xx": 0, "version_mismatches": 0}
+        self._sha: dict[int, str | None] = {}  # version -> the registry's digest of it
+        _add_scrub_roots(str(model_path).rstrip("/"), os.path.realpath(model_path))
 
     # ------------------------------------------------------------------ shared pieces
 
@@ -155,12 +364,28 @@ class Router:
         return ([r for r in results if not isinstance(r, BaseException)],
                 [r for r in results if isinstance(r, BaseException)])
 
+    def _served_name(self, version: int) -> str:
+        return policy_name(version) if version > 0 else BASE_NAME
+
+    async def registry_sha(self, version: int) -> str | None:
+        """The registry's sha256 of a version (None for the original base model), cached."""
+        if version <= 0:
+            return None
+        if version not in self._sha:
+            try:
+                self._sha[version] = (await self._reg().get.remote(version))["meta"].get("sha256")
+            except Exception:
+                return None  # trimmed from the registry: nothing to compare with
+        return self._sha[version]
+
     # ------------------------------------------------------------------ driver API (handle methods)
 
     async def generate_group(self, prompt_token_ids: list[int], n: int, version: int | None = None,
                              sampling: dict | None = None) -> list[dict]:
         """n samples of one prompt as n routed requests (so they share one replica's prefix cache);
-        version None = the newest live version (base model when none is live)."""
+        version None = the newest live version (base model when none is live). Each result names its
+        version and the sha256 of the adapter that produced it. Counted against the in-flight limit,
+        never refused by it (rollout workers pace themselves through the buffer)."""
         if n < 1:
             raise ValueError(f"generate_group: n must be >= 1, got {n}")
         ids = [int(t) for t in prompt_token_ids]
@@ -173,8 +398,12 @@ class Router:
             raise ValueError(e.message) from None
         key = await self._key(ids, v)
         req = {"prompt_token_ids": ids, "version": v, "sampling": dict(sampling or {})}
-        return list(await asyncio.gather(*[self._replica.generate.remote(req, **_per_call(key))
-                                           for _ in range(n)]))
+        self._inflight += n
+        try:
+            return list(await asyncio.gather(*[self._replica.generate.remote(req, **_per_call(key))
+                                               for _ in range(n)]))
+        finally:
+            self._inflight -= n
 
     async def load_adapter(self, version: int) -> dict:
         """Load `policy-v{version}` (from the registry) on every replica. All or nothing: on any
@@ -234,8 +463,9 @@ class Router:
         return {"resumed": len(ok)}
 
     async def stats(self) -> dict:
-        """Router counters (affinity / spill / unmatched, predicted hit blocks) and every replica's
-        own stats, including vLLM's prefix-cache hits and queries."""
+        """Router counters (affinity / spill / unmatched, predicted hit blocks), admission counters
+        (in flight, limit, 429/413/4xx answers, version mismatches) and every replica's own stats,
+        including vLLM's prefix-cache hits and queries."""
         ok, errors = await self._broadcast("stats")
         policy = local_policy(self._replica.app_name, self._replica.deployment_name)
         if policy is None:
@@ -248,28 +478,39 @@ class Router:
         return {"router": router, "replicas": sorted(ok, key=lambda s: str(s.get("replica_id"))),
                 "replica_errors": [_short(e) for e in errors],
                 "prefix_cache_hits": hits, "prefix_cache_queries": queries,
-                "live_versions": await self.live_versions(), "merged_version": self._merged_version}
+                "live_versions": await self.live_versions(), "merged_version": self._merged_version,
+                "admission": {"inflight": self._inflight, "max_inflight": self._max_inflight, **self._counts}}
 
     async def health(self) -> tuple[bool, dict]:
         """Ready when every replica answers and holds every live version (the newest max_loras of
-        them: a replica has no more slots, and loads an older one on demand)."""
-        live = await self.live_versions()
+        them if more are live: a replica has no more slots, and loads an older one on demand; with
+        the registry's default trim, live versions never outnumber the slots)."""
+        try:
+            live = await asyncio.wait_for(self.live_versions(), HEALTH_TIMEOUT_S)
+            info = await asyncio.wait_for(self._engine_info(), HEALTH_TIMEOUT_S)
+        except Exception as e:
+            return False, {"status": "starting", "reason": f"registry or replicas not reachable ({type(e).__name__})",
+                           "replicas_ready": 0, "replicas": self._num_replicas, "live": [], "missing_versions": {}}
         # Merged versions are base weights, not adapters: nothing to hold for them.
-        need = {v for v in live[-(await self._engine_info())["max_loras"]:] if v > self._merged_version}
+        need = {v for v in live[-info["max_loras"]:] if v > self._merged_version}
         ok, errors = await self._broadcast("stats", timeout_s=HEALTH_TIMEOUT_S)
-        missing = {str(s.get("replica_id")): sorted(need - set(s.get("versions", [])))
+        missing = {str(s.get("replica_id")): [policy_name(v) for v in sorted(need - set(s.get("versions", [])))]
                    for s in ok if need - set(s.get("versions", []))}
         ready = not errors and len(ok) >= self._num_replicas and not missing
-        return ready, {"status": "ok" if ready else "starting", "replicas_ready": len(ok) - len(missing),
-                       "replicas": self._num_replicas, "live": [policy_name(v) for v in live],
-                       "missing_versions": missing, "errors": [_short(e) for e in errors]}
+        reason = ("ready" if ready else
+                  f"{len(errors)} replicas did not answer" if errors else
+                  f"{len(ok)} of {self._num_replicas} replicas up" if len(ok) < self._num_replicas else
+                  f"live versions not loaded yet on {len(missing)} replicas")
+        return ready, {"status": "ok" if ready else "starting", "reason": reason,
+                       "replicas_ready": len(ok) - len(missing), "replicas": self._num_replicas,
+                       "live": [policy_name(v) for v in live], "missing_versions": missing}
 
     # ------------------------------------------------------------------ REST: OpenAI
 
     @api.get("/health")
     async def http_health(self):
         ready, body = await self.health()
-        return JSONResponse(body, status_code=200 if ready else 503)
+        return _json(body, 200 if ready else 503)
 
     @api.get("/v1/models")
     async def http_models(self):
@@ -279,10 +520,11 @@ class Router:
                                          "owned_by": "lora-grpo", "root": mid, "parent": parent,
                                          "max_model_len": info["max_model_len"]}
         base = _base_id(info["model"])
-        data = [card(base)] + [card(policy_name(v), base) for v in live]
+        data = [card(base)] + ([card(BASE_NAME)] if base != BASE_NAME else [])
+        data += [card(policy_name(v), base) for v in live]
         if live:
             data.append(card(POLICY_LATEST, base))
-        return {"object": "list", "data": data}
+        return _json({"object": "list", "data": data})
 
     @api.post("/v1/completions")
     async def http_completions(self, request: Request):
@@ -293,70 +535,176 @@ class Router:
         return await self._openai(request, "/v1/chat/completions")
 
     async def _openai(self, request: Request, path: str):
+        if self._inflight >= self._max_inflight:  # before reading the body: overload costs nothing
+            self._counts["rejected_429"] += 1
+            return _overloaded(self._max_inflight).response()
         try:
             body = await self._body(request)
-            token_ids, version = await self._validate(body, chat=path.endswith("chat/completions"))
+            token_ids, version, weight = await self._validate(body, chat=path.endswith("chat/completions"))
             key = await self._key(token_ids, version)
+            if self._inflight + weight > self._max_inflight:
+                self._counts["rejected_429"] += 1
+                raise _overloaded(self._max_inflight)
         except APIError as e:
+            if e.status == 413:
+                self._counts["rejected_413"] += 1
+            elif e.status != 429:
+                self._counts["rejected_4xx"] += 1
             return e.response()
+        self._inflight += weight
+        release = _Once(lambda: setattr(self, "_inflight", self._inflight - weight))
         if body.get("stream"):
-            gen = self._replica.options(stream=True).openai_stream.remote(path, body, **_per_call(key))
-            return StreamingResponse(self._relay(gen), media_type="text/event-stream")
+            try:
+                return await self._stream(path, body, key, version, release)
+            except BaseException:
+                release()
+                raise
         try:
             out = await self._replica.openai.remote(path, body, **_per_call(key))
-        except Exception as e:  # the engine failed this request; the service itself is fine
-            logger.warning("replica failed %s: %s", path, _short(e))
-            return APIError(500, _short(e), "server_error").response()
+        except Exception as e:  # the replica died or refused the call
+            return self._replica_failure(path, e).response()
+        finally:
+            release()
         err = out.get("error") if isinstance(out, dict) else None
-        if isinstance(err, dict):  # vLLM's ErrorResponse, with its own status code
-            status = int(out.pop("status_code", None) or err.get("code") or 400)
-            return JSONResponse(out, status_code=status)
-        return JSONResponse(out)
+        if isinstance(err, dict):  # vLLM's or the replica's ErrorResponse, with its own status code
+            status = int(out.get("status_code") or err.get("code") or 400)
+            if status < 500:
+                self._counts["rejected_4xx"] += 1
+            return _json(error_body(status, str(err.get("message", "")), _openai_type(status), err.get("param")),
+                         status)
+        served = int(out.get("version", version))
+        sha = out.pop("sha256", None)
+        expected = await self.registry_sha(served)
+        if served != version or (expected is not None and sha != expected):
+            self._counts["version_mismatches"] += 1
+            logger.error("served-version mismatch: asked %s, replica %s served %s (sha %s)",
+                         version, out.get("replica_id"), served, sha)
+        return _json(out, headers=self._version_headers(served, sha))
+
+    def _version_headers(self, version: int, sha: str | None) -> dict:
+        h = {"x-policy-version": str(version), "x-served-model": self._served_name(version)}
+        if sha:
+            h["x-adapter-sha256"] = sha
+        return h
+
+    def _replica_failure(self, path: str, e: BaseException) -> APIError:
+        cause = getattr(e, "cause", None) or e
+        status = getattr(cause, "status_code", None)
+        if isinstance(status, int) and 400 <= status < 500:
+            return APIError(status, _short(e).split(": ", 1)[-1], _openai_type(status))
+        logger.warning("replica failed %s: %s", path, _short(e))
+        return APIError(503, "no replica could serve this request; retry", "server_error",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    async def _stream(self, path: str, body: dict, key: dict, version: int, release: _Once):
+        """SSE relay. The first chunk is awaited before answering, so a request the replica refuses
+        gets its 4xx status instead of a 200 stream holding an error."""
+        gen = self._replica.options(stream=True).openai_stream.remote(path, body, **_per_call(key))
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except Exception as e:
+            release()
+            return self._replica_failure(path, e).response()
+        err = _sse_error(first)
+        if err is not None:
+            release()
+            status = int(err.get("status_code") or err["error"].get("code") or 400)
+            e = err["error"]
+            return _json(error_body(status, str(e.get("message", "")), _openai_type(status), e.get("param")), status)
+        # Headers leave before the replica's last chunk: the digest is the registry's for the
+        # version this request was pinned to (every chunk's `model` names that version).
+        headers = self._version_headers(version, await self.registry_sha(version))
+        return StreamingResponse(self._relay(first, gen, release), media_type="text/event-stream", headers=headers)
 
     @staticmethod
-    async def _relay(gen):
+    async def _relay(first, gen, release):
         try:
+            if first is not None:
+                yield first
             async for chunk in gen:
                 yield chunk
         except Exception as e:  # headers are sent: report in-band, the way vLLM does
-            yield f"data: {json.dumps({'error': {'message': _short(e), 'type': 'server_error', 'code': 500}})}\n\n"
+            body = error_body(500, _short(e), "server_error")
+            yield f"data: {json.dumps(body, ensure_ascii=True)}\n\n"
             yield "data: [DONE]\n\n"
+        finally:
+            release()
 
-    @staticmethod
-    async def _body(request: Request) -> dict:
-        raw = await request.body()
+    async def _body(self, request: Request) -> dict:
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise APIError(400, "Content-Length is not a number")
+            if int(length) > self._max_body:
+                raise APIError(413, f"request body is {int(length)} bytes; the limit is {self._max_body}")
+        chunks: list[bytes] = []
+
+        async def read():
+            size = 0
+            async for chunk in request.stream():  # chunked bodies have no Content-Length: count as they come
+                size += len(chunk)
+                if size > self._max_body:
+                    raise APIError(413, f"request body is over the limit of {self._max_body} bytes")
+                chunks.append(chunk)
+
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}") from None
+            await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"request body not received within {BODY_TIMEOUT_S:.0f}s") from None
+        raw = b"".join(chunks)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise APIError(400, f"request body is not valid UTF-8 (byte {e.start})") from None
+        try:
+            body = json.loads(text, parse_constant=_reject_non_finite, parse_float=_finite_float)
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"request body is not valid JSON: {e.msg} (line {e.lineno} column {e.colno})") from None
+        except RecursionError:
+            raise APIError(400, f"request body nests deeper than {MAX_DEPTH} levels") from None
+        except ValueError as e:  # non-finite numbers, integers of more than 4300 digits
+            raise APIError(400, f"request body is not valid JSON: {str(e)[:120]}") from None
         if not isinstance(body, dict):
             raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
+        _check_tree(body)
         return body
 
-    async def _validate(self, body: dict, chat: bool) -> tuple[list[int], int]:
-        """Check what the router can check before a replica sees it; rewrite the model alias; return
-        the (first) prompt's token ids and the version it runs under."""
+    async def _validate(self, body: dict, chat: bool) -> tuple[list[int], int, int]:
+        """Check what the router can check before a replica sees it; pin the model to the exact
+        version it runs under. Returns the (first) prompt's token ids, that version, and the number
+        of sequences the request asks for (its weight against the in-flight limit)."""
         info = await self._engine_info()
         version = await self._model_version(body.get("model"), info["model"])
-        body["model"] = info["model"] if version == 0 else policy_name(version)
-        for field in ("max_tokens", "max_completion_tokens"):
-            v = body.get(field)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise APIError(400, f"{field} must be a positive integer, got {v!r}", param=field)
-        prompts = self._chat_ids(body) if chat else self._completion_ids(body.get("prompt"))
+        body["model"] = self._served_name(version)
+        if not isinstance(body.get("stream", False), (bool, type(None))):
+            raise APIError(400, f"stream must be a boolean, got {_show(body['stream'])}", param="stream")
         limit = info["max_model_len"]
-        max_new = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+        max_new = 0
+        for field in ("max_tokens", "max_completion_tokens"):
+            max_new = _int_field(body, field, 1, INT64) or max_new
+        n = _int_field(body, "n", 1, self._max_inflight) or 1
+        _int_field(body, "best_of", 1, self._max_inflight)
+        prompts = self._chat_ids(body, limit) if chat else self._completion_ids(body.get("prompt"), limit)
         for ids in prompts:
             if len(ids) >= limit or len(ids) + max_new > limit:
                 raise APIError(400, f"prompt is {len(ids)} tokens and max_tokens {max_new}; the context "
                                     f"is {limit} tokens (prompt + completion must fit)", param="prompt")
-        return prompts[0], version
+        weight = n * len(prompts)
+        if weight > self._max_inflight:
+            raise APIError(400, f"the request asks for {weight} sequences (n x prompts); this server admits at "
+                                f"most {self._max_inflight} at once", param="n")
+        return prompts[0], version, weight
 
     async def _model_version(self, model, base: str) -> int:
-        if model in (None, "", "base", base, _base_id(base)):
+        if model in (None, "", BASE_NAME, _base_id(base)):
             return self._merged_version
         if not isinstance(model, str):
-            raise APIError(400, "model must be a string", param="model")
+            raise APIError(400, f"model must be a string, got {type(model).__name__}", param="model")
+        if not _MODEL_ID.fullmatch(model):  # paths, traversal, control characters: never echoed
+            raise APIError(400, "model is not a model id (ids are like base, policy-v3, policy-latest); see "
+                                "GET /v1/models", param="model")
         live = await self.live_versions()
         if model == POLICY_LATEST:
             if not live:
@@ -364,33 +712,55 @@ class Router:
             return live[-1]
         v = parse_policy_name(model)
         if v is None or v not in live:
-            names = [_base_id(base)] + [policy_name(x) for x in live] + ([POLICY_LATEST] if live else [])
-            raise APIError(404, f"model {model!r} does not exist; serving: {', '.join(names)}",
+            names = [_base_id(base), BASE_NAME] + [policy_name(x) for x in live] + ([POLICY_LATEST] if live else [])
+            raise APIError(404, f"model {model!r} does not exist; serving: {', '.join(dict.fromkeys(names))}",
                            "not_found_error", "model")
         return v
 
-    def _completion_ids(self, prompt) -> list[list[int]]:
-        if isinstance(prompt, str):
-            return [self._tok(prompt)["input_ids"]]
+    def _encode(self, text: str, limit: int) -> list[int]:
+        if len(text) > self._max_token_chars * limit:  # cannot fit whatever it tokenizes to
+            raise APIError(400, f"prompt is {len(text)} characters; it cannot fit the context of {limit} tokens",
+                           param="prompt")
+        return self._tok(text)["input_ids"]
+
+    def _token_ids(self, ids: list, limit: int) -> list[int]:
+        if len(ids) >= limit:
+            raise APIError(400, f"prompt is {len(ids)} tokens; the context is {limit} tokens", param="prompt")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self._vocab for t in ids):
+            raise APIError(400, f"prompt token ids must be integers in [0, {self._vocab})", param="prompt")
+        return list(ids)
+
+    def _completion_ids(self, prompt, limit: int) -> list[list[int]]:
+        if isinstance(prompt, str) and prompt:
+            return [self._encode(prompt, limit)]
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return [list(prompt)]
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            return [self._tok(p)["input_ids"] for p in prompt]
+            return [self._token_ids(prompt, limit)]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) and p for p in prompt):
+            return [self._encode(p, limit) for p in prompt]
         if isinstance(prompt, list) and prompt and all(
                 isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
-            return [list(p) for p in prompt]
+            return [self._token_ids(p, limit) for p in prompt]
         raise APIError(400, "prompt must be a non-empty string, list of strings, or token id list(s)", param="prompt")
 
-    def _chat_ids(self, body: dict) -> list[list[int]]:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
-            raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    def _chat_ids(self, body: dict, limit: int) -> list[list[int]]:
+        msgs = _check_messages(body.get("messages"))
+        chars = sum(len(m["content"]) for m in msgs if isinstance(m.get("content"), str))
+        if chars > self._max_token_chars * limit:
+            raise APIError(400, f"messages hold {chars} characters; they cannot fit the context of {limit} tokens",
+                           param="messages")
+        flags = {}
+        for field, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+            v = body.get(field, default)
+            if not isinstance(v, bool):
+                raise APIError(400, f"{field} must be a boolean, got {_show(v)}", param=field)
+            flags[field] = v
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict) or _RESERVED_TEMPLATE_KWARGS & set(kwargs):
+            raise APIError(400, "chat_template_kwargs must be an object of template variables (not "
+                                f"{', '.join(sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))) or 'a ' + type(kwargs).__name__})",
+                           param="chat_template_kwargs")
         try:
-            ids = self._tok.apply_chat_template(
-                msgs, tokenize=True, return_dict=False,
-                add_generation_prompt=body.get("add_generation_prompt", True),
-                continue_final_message=body.get("continue_final_message", False),
-                **(body.get("chat_template_kwargs") or {}))
+            ids = self._tok.apply_chat_template(msgs, tokenize=True, return_dict=False, **flags, **kwargs)
         except Exception as e:
             raise APIError(400, f"messages could not be rendered with the chat template: {e}", param="messages") from None
         return [list(ids)]
@@ -401,7 +771,7 @@ class Router:
         if not self._admin_token:
             return APIError(403, "admin disabled: set rollout.admin_token or LORA_GRPO_ADMIN_TOKEN", "permission_error")
         given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self._admin_token}".encode()):
+        if not hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {self._admin_token}".encode()):
             return APIError(401, "admin routes need 'Authorization: Bearer <token>'", "authentication_error")
         return None
 
@@ -410,7 +780,7 @@ class Router:
         if denied:
             return denied.response()
         try:
-            return JSONResponse(await action())
+            return _json(await action())
         except AdapterLoadError as e:
             return APIError(422, str(e), "adapter_rejected").response()
         except APIError as e:
@@ -446,3 +816,17 @@ class Router:
     @api.get("/admin/stats")
     async def http_stats(self, request: Request):
         return await self._admin(request, self.stats)
+
+    # Last: whatever no route above matched. Under /admin a stranger learns nothing (401/403 first).
+    @api.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
+    async def http_unmatched(self, rest: str, request: Request):
+        if request.url.path.startswith("/admin"):
+            denied = self._admin_check(request)
+            if denied:
+                return denied.response()
+        known = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET", "/health": "GET",
+                 "/admin/pause": "POST", "/admin/resume": "POST", "/admin/stats": "GET"}
+        if request.url.path in known:
+            return APIError(405, f"{request.method} is not allowed here; use {known[request.url.path]}",
+                            headers={"Allow": known[request.url.path]}).response()
+        return APIError(404, "no such route", "not_found_error").response()

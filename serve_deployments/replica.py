@@ -321,7 +321,18 @@ class RolloutReplica:
         logprobs = [float(lp[t].logprob) for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else []
         return {"token_ids": list(c.token_ids), "logprobs": logprobs, "text": c.text,
                 "finish_reason": c.finish_reason, "version": version, "prompt_token_ids": prompt_ids,
-                "replica_id": self.replica_id}
+                "replica_id": self.replica_id, "sha256": self._served_sha(version)}
+
+    def _served_name(self, version: int) -> str:
+        """The public id of what served a request: `policy-vN` (also for policy-latest), or `base`."""
+        return policy_name(version) if version > 0 else BASE_NAME
+
+    def _served_sha(self, version: int) -> str | None:
+        """sha256 of the payload behind `version` on this replica (None for the original base model)."""
+        if version == self._base_version:
+            return getattr(self, "_base_sha", None)
+        return self._slots._digests.get(version)  # fixed per version: a name never gets other weights
+
 
     def _resolve_model(self, model: str | None) -> int:
         if model in (None, "", BASE_NAME, Path(self._model).name, self._model):
@@ -371,14 +382,15 @@ class RolloutReplica:
             return _vllm_error(e)
         return self._openai_result(result, requested, version)
 
-    def _openai_result(self, result, requested, version) -> dict:
+    def _openai_result(self, result, _requested, version) -> dict:
         from serve_deployments.vllm_compat import ErrorResponse
 
         if isinstance(result, ErrorResponse):
             return error_dict(result.error.message, result.error.code, result.error.type)
         out = result.model_dump(mode="json", exclude_none=True)
-        out["model"] = requested or out.get("model")
+        out["model"] = self._served_name(version)  # never a server path, never an alias
         out["version"] = version
+        out["sha256"] = self._served_sha(version)  # the ingress moves it to the x-adapter-sha256 header
         out["replica_id"] = self.replica_id
         return out
 

