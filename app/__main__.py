@@ -53,6 +53,9 @@ def cmd_train(argv: list[str]) -> int:
     except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except driver.StallError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s; reward "
           f"{summary['reward_first_quarter']:.3f} (first quarter) -> {summary['reward_last_quarter']:.3f} (last quarter); "
           f"adapter {summary['adapter_dir']}; run dir {cfg.run_dir}")
@@ -91,10 +94,14 @@ def cmd_tiny_model(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m app tiny-model", description=COMMANDS["tiny-model"])
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shape", default="tiny", choices=["tiny", "small", "qwen2.5-1.5b"],
+                   help="tiny: ~407k params, the CPU main job's; small: ~23M, pretrained on a GPU in a minute or "
+                        "two, learns the letters task there; qwen2.5-1.5b: that body with its real vocabulary, "
+                        "random weights, for speed work")
     args = p.parse_args(argv)
-    from app.tiny_model import build_tiny_model
+    from app.tiny_model import build_model_shape
 
-    print(build_tiny_model(args.out, seed=args.seed))
+    print(build_model_shape(args.out, args.shape, seed=args.seed))
     return 0
 
 

@@ -31,7 +31,7 @@ def preflight(cfg: Config) -> list[dict]:
     if (reason := needs_merge(cfg)) and cfg.sync.mode == "adapter":
         logger.warning("sync.mode=adapter but %s: falling back to merge mode (full weights each publish)", reason)
         cfg.sync.mode = "merge"
-    ensure_model(cfg.model.path, cfg.model.build_tiny, cfg.model.tiny_seed)
+    ensure_model(cfg.model.path, cfg.model.build_tiny, cfg.model.tiny_seed, cfg.model.tiny_shape)
     rows = load_prompts(cfg.data)
     _check_targets(cfg)
     return rows
@@ -61,14 +61,21 @@ def _init_ray(cfg: Config) -> None:
     ray.init(address=address or None, log_to_driver=True, runtime_env={"env_vars": env})
 
 
-class _Progress:
-    """tqdm over optimizer steps, fed from the RunMetrics actor; also polls router stats into it."""
+class StallError(RuntimeError):
+    """No step finished and nothing was generated for `run.stall_timeout_s`."""
 
-    def __init__(self, cfg: Config, metrics, router, buffer, enabled: bool):
+
+class _Progress:
+    """tqdm over optimizer steps, fed from the RunMetrics actor; also polls router stats into it and
+    watches for a stall (no step and no generation for `run.stall_timeout_s`)."""
+
+    def __init__(self, cfg: Config, metrics, router, buffer, registry, enabled: bool):
         from tqdm import tqdm
 
-        self.metrics, self.router, self.buffer = metrics, router, buffer
-        self._last_row = time.monotonic()
+        self.metrics, self.router, self.buffer, self.registry = metrics, router, buffer, registry
+        self.stall_timeout = cfg.run.stall_timeout_s
+        self._last_progress = self._last_note = time.monotonic()
+        self._last_put = -1
         self.bar = tqdm(total=cfg.train.total_steps, desc=f"GRPO {cfg.run.name}", unit="step", disable=not enabled)
         self.rows: list[dict] = []
         self._last_stats = 0.0
@@ -78,10 +85,9 @@ class _Progress:
 
         new = ray.get(self.metrics.get_rows.remote(len(self.rows)))
         if new:
-            self._last_row = time.monotonic()
-        elif time.monotonic() - self._last_row > 30:  # say why nothing moves
-            self._last_row = time.monotonic()
-            logger.info("waiting for step %d: buffer %s", len(self.rows) + 1, ray.get(self.buffer.stats.remote()))
+            self._last_progress = self._last_note = time.monotonic()
+        else:
+            self._watch()
         for r in new:
             self.rows.append(r)
             self.bar.update(1)
@@ -94,6 +100,43 @@ class _Progress:
                 ray.get(self.metrics.set_extra.remote(router_metrics(s)))
             except Exception as e:  # stats are advisory; never stop training for them
                 logger.debug("router stats failed: %s", e)
+
+    def _watch(self) -> None:
+        """No new step: generation that still moves (groups arriving, requests in flight) is progress;
+        past the timeout with neither, raise StallError with the state that explains it."""
+        import ray
+
+        now = time.monotonic()
+        if now - self._last_note < min(30.0, self.stall_timeout / 3):
+            return
+        self._last_note = now
+        buf = ray.get(self.buffer.stats.remote())
+        ongoing = self._ongoing()
+        if buf["put_groups"] != self._last_put or ongoing:
+            self._last_put = buf["put_groups"]
+            self._last_progress = now
+        waited = now - self._last_progress
+        logger.info("waiting for step %d: buffer %s, %s requests in flight", len(self.rows) + 1, buf, ongoing)
+        if waited >= self.stall_timeout:
+            raise StallError(
+                f"stalled: no step and no generation for {waited:.0f}s (run.stall_timeout_s) while waiting for step "
+                f"{len(self.rows) + 1}; buffer {buf}; registry live versions "
+                f"{ray.get(self.registry.live_versions.remote())}; replicas {self._replica_state()}")
+
+    def _ongoing(self) -> int:
+        try:
+            s = self.router.stats.remote().result(timeout_s=10)
+        except Exception:  # an unreachable router is not proof of generation
+            return 0
+        return sum(int(r.get("ongoing", 0)) for r in s.get("replicas", []))
+
+    def _replica_state(self) -> list:
+        try:
+            s = self.router.stats.remote().result(timeout_s=10)
+        except Exception as e:
+            return [f"router unreachable: {e}"]
+        return [{k: r.get(k) for k in ("replica_id", "ongoing", "versions")} for r in s.get("replicas", [])] + \
+            [f"error: {e}" for e in s.get("replica_errors", [])]
 
     def close(self) -> None:
         self.bar.close()
@@ -117,6 +160,7 @@ def run(cfg: Config, *, keep_serving: bool = False, progress: bool = True,
     from ray import serve
 
     from app.buffer import BUFFER_NAME, RolloutBuffer
+    from app.loggers import tracking_options
     from app.metrics import METRICS_NAME, RunMetrics
     from app.registry import NAMESPACE, get_or_create_registry
     from app.report import plot_rewards, summarize, write_summary
@@ -128,68 +172,114 @@ def run(cfg: Config, *, keep_serving: bool = False, progress: bool = True,
     # Actors and replicas run in other working directories: hand them absolute paths.
     cfg.model.path = str(Path(cfg.model.path).resolve())
     cfg.run.out_dir = str(Path(cfg.run.out_dir).resolve())
+    _fresh_run_dir(cfg)
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     t0 = time.time()
     _init_ray(cfg)
+    _check_fits(cfg)
 
     registry = get_or_create_registry(keep=cfg.sync.max_staleness + 1)
-    metrics = RunMetrics.options(name=METRICS_NAME, namespace=NAMESPACE).remote(str(run_dir), cfg.run.name)
+    metrics = RunMetrics.options(name=METRICS_NAME, namespace=NAMESPACE).remote(
+        str(run_dir), cfg.run.name, tracking=tracking_options(cfg))
     buffer = RolloutBuffer.options(name=BUFFER_NAME, namespace=NAMESPACE).remote(
         cfg.sync.max_staleness, cfg.grpo.prompts_per_step, lead=0 if cfg.run.mode == "sync" else None)
-    router = start_service(cfg, registry=registry)
-    wait_healthy(router)
-    logger.info("rollout service up: %d replicas (%.1fs)", cfg.rollout.replicas, time.time() - t0)
-
-    workers = [RolloutWorker.remote(cfg.to_dict(), i, rows, buffer, metrics) for i in range(cfg.rollout.workers)]
-    worker_runs = [w.run.remote() for w in workers]
-    trainer = build_trainer(cfg, run_dir, resume_from=cfg.checkpoint.resume_from, extra_loop_cfg=extra_loop_cfg)
-
-    outcome: dict = {}
-    fit = threading.Thread(target=lambda: outcome.update(result=_fit(trainer)), daemon=True)
-    fit.start()
-    prog = _Progress(cfg, metrics, router, buffer, progress)
+    workers: list = []
+    keep, status = False, "FAILED"
     try:
-        while fit.is_alive():
-            fit.join(timeout=1.0)
-            prog.poll()
-            _raise_worker_errors(worker_runs)
-        prog.poll()
-    finally:
-        prog.close()
-        ray.get(buffer.close.remote())
-        for w in workers:
-            w.stop.remote()
-    result = outcome.get("result")
-    if isinstance(result, BaseException):
-        raise result
-    if result.error is not None:
-        raise RuntimeError(f"training failed: {result.error}")
+        router = start_service(cfg, registry=registry)
+        wait_healthy(router)
+        logger.info("rollout service up: %d replicas (%.1fs)", cfg.rollout.replicas, time.time() - t0)
 
-    adapter_dir = _export_adapter(result, run_dir)
-    wall = time.time() - t0
-    train_rows = ray.get(metrics.get_rows.remote())
-    summary = summarize(train_rows, wall, {**idle_fractions(train_rows, cfg.rollout.workers),
-        "mode": cfg.run.mode, "max_staleness": cfg.sync.max_staleness, "sync_mode": cfg.sync.mode,
-        "adapter_dir": str(adapter_dir) if adapter_dir else None,
-        "checkpoint": result.checkpoint.path if result.checkpoint else None,
-        "registry_live_versions": ray.get(registry.live_versions.remote()),
-        "buffer": ray.get(buffer.stats.remote()),
-    })
-    write_summary(run_dir, summary)
-    plot_rewards(train_rows, run_dir / "reward_curve.png", title=f"{cfg.run.name} ({cfg.run.mode})")
-    # This run's actors end with it (names free for the next run in the same cluster); the registry
-    # and the Serve app stay while the final policy is served.
-    for actor in [*workers, buffer, metrics]:
+        workers = [RolloutWorker.remote(cfg.to_dict(), i, rows, buffer, metrics) for i in range(cfg.rollout.workers)]
+        worker_runs = [w.run.remote() for w in workers]
+        trainer = build_trainer(cfg, run_dir, resume_from=cfg.checkpoint.resume_from, extra_loop_cfg=extra_loop_cfg)
+
+        outcome: dict = {}
+        fit = threading.Thread(target=lambda: outcome.update(result=_fit(trainer)), daemon=True)
+        fit.start()
+        prog = _Progress(cfg, metrics, router, buffer, registry, progress)
+        try:
+            while fit.is_alive():
+                fit.join(timeout=1.0)
+                prog.poll()
+                _raise_worker_errors(worker_runs)
+            prog.poll()
+        finally:
+            prog.close()
+            ray.get(buffer.close.remote())
+        result = outcome.get("result")
+        if isinstance(result, BaseException):
+            raise result
+        if result.error is not None:
+            raise RuntimeError(f"training failed: {result.error}")
+
+        adapter_dir = _export_adapter(result, run_dir)
+        wall = time.time() - t0
+        train_rows = ray.get(metrics.get_rows.remote())
+        if not train_rows:
+            raise RuntimeError(f"training finished without a single step (run dir {run_dir})")
+        summary = summarize(train_rows, wall, {**idle_fractions(train_rows, cfg.rollout.workers),
+            "mode": cfg.run.mode, "max_staleness": cfg.sync.max_staleness, "sync_mode": cfg.sync.mode,
+            "adapter_dir": str(adapter_dir) if adapter_dir else None,
+            "checkpoint": result.checkpoint.path if result.checkpoint else None,
+            "registry_live_versions": ray.get(registry.live_versions.remote()),
+            "buffer": ray.get(buffer.stats.remote()),
+        })
+        write_summary(run_dir, summary)
+        plot_rewards(train_rows, run_dir / "reward_curve.png", title=f"{cfg.run.name} ({cfg.run.mode})")
+        keep = keep_serving
+        status = "FINISHED"
+        return summary
+    finally:
+        try:  # trackers flush and close their run (MLflow marks it FINISHED or FAILED); ray.kill would not
+            ray.get(metrics.close.remote(status), timeout=60)
+        except Exception as e:
+            logger.warning("metrics close failed: %s", e)
+        # Success, failure or interrupt: this run's actors end with it (their names free for the next
+        # run in the same cluster), and so does its service unless it is kept to serve the policy.
+        for actor in [*workers, buffer, metrics]:
+            _kill(actor)
+        if keep:
+            _SERVING[cfg.rollout.app_name] = registry  # a named actor dies with its last handle
+        else:
+            try:
+                serve.delete(cfg.rollout.app_name)
+            except Exception as e:  # teardown must reach the registry even if Serve is gone
+                logger.warning("could not delete Serve app %s: %s", cfg.rollout.app_name, e)
+            _kill(registry)
+
+
+def _kill(actor) -> None:
+    import ray
+
+    try:
         ray.kill(actor)
-    if keep_serving:
-        _SERVING[cfg.rollout.app_name] = registry  # a named actor dies with its last handle
-    else:
-        serve.delete(cfg.rollout.app_name)
-        ray.kill(registry)
-    return summary
+    except Exception:  # already dead
+        pass
+
+
+def _fresh_run_dir(cfg: Config) -> None:
+    """Never write into an earlier run's directory: take the next free `NAME-k` and say so."""
+    base = cfg.run.name
+    k = 1
+    while cfg.run_dir.exists():
+        k += 1
+        cfg.run.name = f"{base}-{k}"
+    if k > 1:
+        logger.warning("run dir %s exists: this run writes to %s", Path(cfg.run.out_dir) / base, cfg.run_dir)
+
+
+def _check_fits(cfg: Config) -> None:
+    """A run the cluster cannot place would wait forever for resources: refuse it with the numbers."""
+    import ray
+
+    from common.placement import fit_problems
+
+    problems = fit_problems(cfg, ray.cluster_resources())
+    if problems:
+        raise ConfigError(problems)
 
 
 _SERVING: dict = {}

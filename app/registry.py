@@ -43,12 +43,12 @@ class AdapterRegistry:
 
     async def publish(self, version: int, tensors: dict, meta: dict) -> dict:
         """Store a payload (tensors arrive resolved), have every replica load it, mark it live."""
-        if version in self._meta:
-            raise ValueError(f"policy-v{version} was already published; a version is never reused")
-        if self._live and version <= max(self._live):
-            raise ValueError(f"policy-v{version} is not newer than live policy-v{max(self._live)}")
+        self._check_new(version)
+        return await self._go_live(version, ray.put(tensors), meta)
+
+    async def _go_live(self, version: int, ref: ray.ObjectRef, meta: dict) -> dict:
         t0 = time.perf_counter()
-        self._refs[version] = ray.put(tensors)
+        self._refs[version] = ref
         self._meta[version] = dict(meta, version=version)
         load_s = 0.0
         if self._router is not None:
@@ -64,6 +64,24 @@ class AdapterRegistry:
         rec = {"version": version, "nbytes": meta.get("nbytes", 0), "kind": meta.get("kind", "adapter"),
                "seconds": time.perf_counter() - t0, "replica_load_seconds": load_s, "time": time.time()}
         self._history.append(rec)
+        return rec
+
+    def _check_new(self, version: int) -> None:
+        if version in self._meta:
+            raise ValueError(f"policy-v{version} was already published; a version is never reused")
+        if self._live and version <= max(self._live):
+            raise ValueError(f"policy-v{version} is not newer than live policy-v{max(self._live)}")
+
+    async def tag(self, version: int, of_version: int) -> dict:
+        """Publish `version` as the same payload as `of_version` (the trainer's adapter did not move):
+        no tensor travels from the trainer, and the replicas load the payload they already fetched once
+        under the new name. Same protocol as `publish`: live only when every replica has it."""
+        if of_version not in self._refs:
+            raise KeyError(f"policy-v{of_version} is not held by the registry (held: {sorted(self._refs)})")
+        self._check_new(version)
+        meta = {k: v for k, v in self._meta[of_version].items() if k != "version"}
+        rec = await self._go_live(version, self._refs[of_version], dict(meta, alias_of=of_version))
+        rec["alias_of"] = of_version
         return rec
 
     async def get(self, version: int) -> dict:

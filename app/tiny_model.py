@@ -36,13 +36,36 @@ def build_tokenizer():
     return tok
 
 
+# `python -m app tiny-model --shape NAME`: the embedded model at three sizes.
+SHAPES = {
+    # The CPU main job's model: ~407k parameters, pretrained on CPU in seconds.
+    "tiny": {"hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 384, "pretrain_steps": 200},
+    # ~23M parameters for GPU runs that must learn: the same skill, pretrained in a minute or two on a GPU.
+    "small": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 2, "intermediate": 1408, "pretrain_steps": 600,
+              "pretrain_lr": 1e-3, "dtype": "bfloat16"},
+    # The Qwen2.5-1.5B body with its real vocabulary size, random weights: for speed work only.
+    "qwen2.5-1.5b": {"hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2, "intermediate": 8960,
+                     "vocab_size": 151_936, "pretrain_steps": 0, "init_std": 0.02, "dtype": "bfloat16",
+                     "max_positions": 32768},
+}
+
+
+def build_model_shape(out: str | Path, shape: str = "tiny", seed: int = 0, **overrides) -> Path:
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
+    return build_tiny_model(out, seed=seed, **{**SHAPES[shape], **overrides}, shape=shape)
+
+
 def build_tiny_model(out: str | Path, seed: int = 0, hidden: int = 128, layers: int = 2,
                      heads: int = 4, kv_heads: int = 2, intermediate: int = 384,
-                     pretrain_steps: int = 200) -> Path:
+                     pretrain_steps: int = 200, pretrain_lr: float = 3e-3, vocab_size: int | None = None,
+                     init_std: float | None = None, dtype: str = "float32", max_positions: int = 2048,
+                     shape: str = "tiny") -> Path:
     """Write config, weights (safetensors, float32), tokenizer and generation config to `out`.
 
-    Weights: random (embeddings N(0, 1), matrices N(0, 0.1): a large token signal lets so small a model
-    learn to copy a token within a few hundred steps), then `pretrain_steps` of a generic skill:
+    Weights: random (embeddings N(0, 1), matrices N(0, 0.1 x sqrt(128 / hidden)): a large token signal
+    lets so small a model learn to copy a token within a few hundred steps; `init_std` sets both, as
+    for the random 1.5B body), then `pretrain_steps` of a generic skill (on a GPU when there is one):
     answer with one of the capital letters that appear in the user's message. That makes it a weak
     base model for the `letters` task (base success ~25%, like the 20-80% of real RL recipes): it knows
     to answer with a capital from the prompt, not which one the prompt names; GRPO teaches that.
@@ -55,42 +78,76 @@ def build_tiny_model(out: str | Path, seed: int = 0, hidden: int = 128, layers: 
     tok = build_tokenizer()
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     pad = tok.convert_tokens_to_ids("<|endoftext|>")
+    if vocab_size is not None and vocab_size > len(tok):
+        _pad_vocabulary(tok, vocab_size)
     cfg = Qwen2Config(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
-        rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
-        torch_dtype="float32",
+        vocab_size=vocab_size or len(tok), hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions, rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=eos,
+        pad_token_id=pad, bos_token_id=None, torch_dtype=dtype,
     )
     assert hidden // heads in (32, 64, 80, 96, 112, 128, 256), "vLLM CPU attention head sizes"
+    device = "cuda" if pretrain_steps and torch.cuda.is_available() else "cpu"
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # bit-reproducible reductions
+    if device == "cpu" and pretrain_steps:
+        torch.set_num_threads(1)  # bit-reproducible reductions
+    stats = {}
     try:
         gen = torch.Generator().manual_seed(seed)
         model = Qwen2ForCausalLM(cfg)
+        mat_std = init_std if init_std is not None else 0.1 * (128 / hidden) ** 0.5
+        emb_std = init_std if init_std is not None else 1.0
         with torch.no_grad():  # every tensor drawn from our generator: independent of HF's init order
             for name, p in sorted(model.named_parameters()):
                 if p.ndim == 1:
                     p.fill_(1.0 if "norm" in name else 0.0)
                 else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if "embed" in name else 0.1))
-        _pretrain(model, tok, seed, pretrain_steps)
+                    p.copy_(torch.randn(p.shape, generator=gen) * (emb_std if "embed" in name else mat_std))
+        model.to(device)
+        stats = _pretrain(model, tok, seed, pretrain_steps, lr=pretrain_lr)
     finally:
         torch.set_num_threads(threads)
-    model.to(torch.float32).save_pretrained(out, safe_serialization=True)
+    model.to(getattr(torch, dtype)).to("cpu").save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=True).save_pretrained(out)
-    (out / "TINY_MODEL.json").write_text(json.dumps({"seed": seed, "params": model.num_parameters(),
-                                                     "pretrain_steps": pretrain_steps}))
+    (out / "TINY_MODEL.json").write_text(json.dumps({"seed": seed, "shape": shape, "params": model.num_parameters(),
+                                                     "pretrain_steps": pretrain_steps, "pretrain_device": device,
+                                                     **stats}))
     return out
 
 
-def _pretrain(model, tok, seed: int, steps: int, batch: int = 32, lr: float = 3e-3) -> None:
-    """Generic skill: reply with one capital letter that occurs in the user's message."""
+def _pad_vocabulary(tok, size: int) -> None:
+    """Fill the tokenizer up to the model's vocabulary with plain tokens (two-letter-plus words that
+    byte-level BPE without merges never produces from text) so every id a model samples decodes."""
+    import string
+
+    letters = string.ascii_lowercase
+    need = size - len(tok)
+    words, k = [], 0
+    while len(words) < need:
+        n, w = k, ""
+        while True:
+            n, r = divmod(n, 26)
+            w = letters[r] + w
+            if n == 0:
+                break
+        words.append("Ġ~" + w)
+        k += 1
+    tok.add_tokens(words)
+
+
+def _pretrain(model, tok, seed: int, steps: int, batch: int = 32, lr: float = 3e-3) -> dict:
+    """Generic skill: reply with one capital letter that occurs in the user's message. Returns the
+    mean loss of the first and last 10% of the steps."""
     import random
     import string
 
     import torch
 
+    if not steps:
+        return {}
+    device = next(model.parameters()).device
+    losses = []
     rng = random.Random(seed)
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -111,11 +168,14 @@ def _pretrain(model, tok, seed: int, steps: int, batch: int = 32, lr: float = 3e
         labels[enc["attention_mask"] == 0] = -100
         for i, ids in enumerate(enc["input_ids"].tolist()):  # learn only the assistant's reply
             labels[i, : _find(ids, start_ids) + len(start_ids)] = -100
-        loss = model(**enc, labels=labels).loss
+        loss = model(**{k: v.to(device) for k, v in enc.items()}, labels=labels.to(device)).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
+        losses.append(float(loss.detach()))
     model.eval()
+    k = max(1, steps // 10)
+    return {"pretrain_loss_first": sum(losses[:k]) / k, "pretrain_loss_last": sum(losses[-k:]) / k}
 
 
 def _find(ids: list[int], sub: list[int]) -> int:
@@ -125,11 +185,11 @@ def _find(ids: list[int], sub: list[int]) -> int:
     raise ValueError("assistant header not found")
 
 
-def ensure_model(path: str | Path, build_tiny: bool = True, seed: int = 0) -> Path:
+def ensure_model(path: str | Path, build_tiny: bool = True, seed: int = 0, shape: str = "tiny") -> Path:
     """Return `path`; build the tiny model there first when it does not exist and building is allowed."""
     path = Path(path)
     if (path / "config.json").is_file():
         return path
     if not build_tiny:
         raise FileNotFoundError(f"model.path {path}: no config.json (set model.build_tiny=true to build the tiny model)")
-    return build_tiny_model(path, seed=seed)
+    return build_model_shape(path, shape, seed=seed)

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
                 "grpo": {"group_size": 8, "prompts_per_step": 2 * args.nproc, "max_new_tokens": args.new_tokens,
                          "lr": 1e-4},
                 "train": {"num_workers": args.nproc, "use_gpu": True, "zero_stage": zero, "total_steps": args.steps,
-                          "grad_accum": 4, "gradient_checkpointing": True, "logprob_chunk": 2048},
+                          "gradient_checkpointing": True, "logprob_chunk": 2048},
                 "rollout": {"max_lora_rank": max(8, args.rank) if args.rank > 1 else 1},
                 "checkpoint": {"every": 0},
             },

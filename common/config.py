@@ -50,6 +50,8 @@ class ModelConfig:
     path: str = _f("runs/tiny-model", "HF model directory (any causal LM vLLM and transformers load).")
     build_tiny: bool = _f(True, "Build the embedded tiny model at `path` if the directory does not exist.")
     tiny_seed: int = _f(0, "Seed of the embedded tiny model (weights are a pure function of it).")
+    tiny_shape: str = _f("tiny", "Shape of the embedded model built at `path`: tiny | small | qwen2.5-1.5b "
+                                 "(`python -m app tiny-model --help`).")
     dtype: str = _f("auto", "float32 | bfloat16 | auto (bfloat16 on GPU, float32 on CPU).")
     max_model_len: int = _f(512, "Context length for the engines and the trainer (prompt + completion).")
 
@@ -129,9 +131,14 @@ class GRPOConfig:
 class TrainConfig:
     num_workers: int = _f(2, "Ray Train workers (ranks).")
     cpus_per_worker: float = _f(0.5, "CPUs reserved per worker (fractions let training and serving share 2 cores).")
-    use_gpu: bool = _f(False, "One GPU per worker, nccl and bf16.")
-    zero_stage: int = _f(2, "DeepSpeed ZeRO stage 0-3.")
-    grad_accum: int = _f(1, "Gradient accumulation micro-steps per optimizer step.")
+    use_gpu: bool = _f(False, "Train on GPUs (nccl, bf16 under dtype auto).")
+    gpus_per_worker: float = _f(1.0, "GPUs reserved per worker when use_gpu; a fraction (e.g. 0.5) shares one GPU "
+                                     "with a rollout replica (see recipes/gpu-1x.yaml).")
+    zero_stage: int = _f(2, "DeepSpeed ZeRO stage 0-2 (3 is refused on GPU for LoRA: see the validation message).")
+    max_tokens_per_micro_batch: int | None = _f(
+        None, "Padded tokens (sequences x longest sequence) per micro-batch; a step's sequences are split by their "
+              "real lengths, the loss stays exact for any split. null = automatic from the model's shape and free "
+              "memory (GPU) or 16384 (CPU).")
     max_grad_norm: float = _f(1.0, "Gradient clipping (0 = off).")
     total_steps: int = _f(30, "Optimizer steps to run.")
     seed: int = _f(0, "Seed of LoRA init, sampling and shuffles.")
@@ -191,6 +198,8 @@ class RunConfig:
     mode: str = _f("async", "async (rollouts run ahead) | sync (generate, then train, alternating).")
     serve_after: bool = _f(False, "Keep serving the final policy after training until interrupted.")
     ray_address: str | None = _f(None, "Ray address to join; null = the job's cluster or a new local one.")
+    stall_timeout_s: float = _f(600.0, "Fail the run (exit non-zero, with the buffer, registry and replica state) "
+                                       "when no step finished and nothing was generated for this long.")
     loggers: list = _f(["jsonl"], "Experiment trackers: any of jsonl, tensorboard, mlflow, wandb (jsonl = "
                                   "metrics.jsonl, always on; tensorboard -> RUN_DIR/tensorboard/; mlflow -> "
                                   "mlflow_tracking_uri; wandb offline in RUN_DIR/wandb/ unless WANDB_API_KEY is set). "
@@ -260,6 +269,10 @@ def _section_types() -> dict[str, type]:
     return typing.get_type_hints(Config)
 
 
+# Keys earlier versions had, and what replaced them.
+_REMOVED = {"train.grad_accum": "removed: steps are cut into micro-batches by train.max_tokens_per_micro_batch"}
+
+
 def from_dict(d: dict | None) -> Config:
     """Build a Config from nested dicts; unknown sections or keys are errors naming them."""
     d = d or {}
@@ -277,7 +290,8 @@ def from_dict(d: dict | None) -> Config:
         cls = types[sec]
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = [k for k in val if k not in names]
-        problems += [f"{sec}.{k}: unknown key" for k in unknown]
+        problems += [f"{sec}.{k}: unknown key" + (f" ({_REMOVED[f'{sec}.{k}']})" if f"{sec}.{k}" in _REMOVED else "")
+                     for k in unknown]
         kwargs[sec] = cls(**{k: v for k, v in val.items() if k in names})
     if problems:
         raise ConfigError(problems)
@@ -378,6 +392,8 @@ def validate(cfg: Config) -> None:
 
     need(m.dtype in ("auto", "float32", "bfloat16", "float16"), f"model.dtype: {m.dtype!r} is not float32, bfloat16, float16 or auto")
     need(m.max_model_len >= 16, "model.max_model_len: must be >= 16")
+    need(m.tiny_shape in ("tiny", "small", "qwen2.5-1.5b"),
+         f"model.tiny_shape: {m.tiny_shape!r} is not tiny, small or qwen2.5-1.5b")
     need(cfg.data.epochs >= 1, "data.epochs: must be >= 1")
     need(cfg.data.builtin_size >= 1, "data.builtin_size: must be >= 1")
     need(cfg.data.on_bad_row in ("error", "skip"), f"data.on_bad_row: {cfg.data.on_bad_row!r} is not error or skip")
@@ -415,14 +431,26 @@ def validate(cfg: Config) -> None:
     need(t.num_workers >= 1, "train.num_workers: must be >= 1")
     need(t.cpus_per_worker > 0, "train.cpus_per_worker: must be > 0")
     need(0 <= t.zero_stage <= 3, f"train.zero_stage: must be 0, 1, 2 or 3, got {t.zero_stage}")
-    need(t.grad_accum >= 1, "train.grad_accum: must be >= 1")
+    need(t.max_tokens_per_micro_batch is None or t.max_tokens_per_micro_batch >= m.max_model_len,
+         f"train.max_tokens_per_micro_batch: {t.max_tokens_per_micro_batch} is smaller than one sequence "
+         f"(model.max_model_len {m.max_model_len}); raise it or lower max_model_len")
+    need(not t.use_gpu or 0 < t.gpus_per_worker <= 1,
+         f"train.gpus_per_worker: must be in (0, 1] (one worker uses at most one GPU), got {t.gpus_per_worker}")
+    need(not (t.use_gpu and t.zero_stage == 3),
+         "train.zero_stage: 3 is refused on GPU for LoRA. ZeRO-3 shards the frozen base weights and all-gathers "
+         "every layer again in each forward and backward of every micro-batch (and the KL reference pass), "
+         "to save optimizer state for a trainable part of a few MB; use zero_stage 2 (or 0), which keeps the "
+         "base replicated and only reduces LoRA gradients")
+    need(r.gpus_per_replica == 0 or t.use_gpu,
+         "rollout.gpus_per_replica: set but train.use_gpu is false; GPU runs set both (a GPU engine with a CPU "
+         "trainer would compute the behaviour and trainer logprobs on different hardware and dtypes)")
+    need(r.gpus_per_replica >= 0, "rollout.gpus_per_replica: must be >= 0")
     need(t.max_grad_norm >= 0, "train.max_grad_norm: must be >= 0")
     need(t.total_steps >= 1, "train.total_steps: must be >= 1")
     need(t.logprob_chunk >= 1, "train.logprob_chunk: must be >= 1")
     batch = g.prompts_per_step * g.group_size
-    need(batch % (t.num_workers * t.grad_accum) == 0,
-         f"grpo.prompts_per_step x grpo.group_size ({batch}) must divide by train.num_workers x train.grad_accum "
-         f"({t.num_workers * t.grad_accum})")
+    need(batch >= t.num_workers,
+         f"grpo.prompts_per_step x grpo.group_size ({batch}) must be >= train.num_workers ({t.num_workers})")
     need(r.replicas >= 1, "rollout.replicas: must be >= 1")
     need(r.cpus_per_replica > 0, "rollout.cpus_per_replica: must be > 0")
     need(r.tensor_parallel >= 1, "rollout.tensor_parallel: must be >= 1")
@@ -440,6 +468,9 @@ def validate(cfg: Config) -> None:
     need(cfg.router.max_tracked_blocks >= 1, "router.max_tracked_blocks: must be >= 1")
     need(s.mode in ("adapter", "merge"), f"sync.mode: {s.mode!r} is not adapter or merge")
     need(s.every >= 1, "sync.every: must be >= 1")
+    need(s.every - 1 <= s.max_staleness,
+         f"sync.every: {s.every} publishes too rarely for sync.max_staleness {s.max_staleness}: samples of the "
+         f"newest published version would already be stale; keep every <= max_staleness + 1")
     need(s.delta_threshold >= 0, "sync.delta_threshold: must be >= 0")
     need(s.max_staleness >= 0, "sync.max_staleness: must be >= 0")
     need(s.max_loras is None or s.max_loras >= s.max_staleness + 2,
@@ -451,6 +482,7 @@ def validate(cfg: Config) -> None:
     need(cfg.checkpoint.every >= 0, "checkpoint.every: must be >= 0")
     need(cfg.checkpoint.keep >= 1, "checkpoint.keep: must be >= 1")
     need(cfg.run.mode in ("async", "sync"), f"run.mode: {cfg.run.mode!r} is not async or sync")
+    need(cfg.run.stall_timeout_s > 0, "run.stall_timeout_s: must be > 0")
     need(all(x in LOGGER_PACKAGES for x in cfg.run.loggers),
          f"run.loggers: {cfg.run.loggers!r} has unknown entries (known: {', '.join(LOGGER_PACKAGES)})")
     for name in cfg.run.loggers:

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import time
 
 from ray import serve
@@ -98,6 +99,17 @@ def wait_healthy(handle, timeout_s: float = 300.0) -> dict:
         time.sleep(0.5)
 
 
+def _adapter_rank_sets(rank: int, sets: list[str]) -> list[str]:
+    """The served adapter decides `lora.rank`; `rollout.max_lora_rank` follows it (the smallest rank
+    vLLM's LoRA kernels accept, unless the user set one) so a rank-1 adapter is not refused."""
+    from common.config import VLLM_LORA_RANKS
+
+    out = [s for s in sets if not s.startswith("lora.rank=")] + [f"lora.rank={rank}"]
+    if not any(s.startswith("rollout.max_lora_rank=") for s in sets):
+        out.append(f"rollout.max_lora_rank={min(r for r in VLLM_LORA_RANKS if r >= rank)}")
+    return out
+
+
 def serve_main(argv: list[str] | None = None) -> int:
     """`python -m app serve --model DIR [--adapter DIR] [--replicas N] [--port 8000]`."""
     p = argparse.ArgumentParser(prog="python -m app serve", description=(
@@ -118,16 +130,23 @@ def serve_main(argv: list[str] | None = None) -> int:
     from common import config as config_mod
     from common.adapter_io import make_meta, read_peft_dir
 
+    from common.adapter_io import AdapterError
+
     sets = list(args.set) + [f"model.path={args.model}", "model.build_tiny=false"]
     if args.replicas is not None:
         sets.append(f"rollout.replicas={args.replicas}")
     if args.port is not None:
         sets.append(f"rollout.http_port={args.port}")
-    cfg = config_mod.load(args.config, sets)
     payload = None
-    if args.adapter:  # read before starting anything: a bad directory fails fast
-        tensors, peft_cfg = read_peft_dir(args.adapter)
-        payload = (tensors, make_meta(tensors, peft_cfg, kind="adapter", source=str(args.adapter)))
+    try:
+        if args.adapter:  # read before starting anything: a bad directory fails fast
+            tensors, peft_cfg = read_peft_dir(args.adapter)
+            payload = (tensors, make_meta(tensors, peft_cfg, kind="adapter", source=str(args.adapter)))
+            sets = _adapter_rank_sets(int(peft_cfg.get("r", 8)), sets)
+        cfg = config_mod.load(args.config, sets)
+    except (config_mod.ConfigError, AdapterError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     address = args.address or cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
     ray.init(address=address or None, ignore_reinit_error=True)

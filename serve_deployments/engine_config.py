@@ -6,6 +6,7 @@ actor's environment (Ray `runtime_env`), because the engine-core process vLLM sp
 from __future__ import annotations
 
 from common.config import Config
+from common.placement import replica_resources
 
 WORKER_EXTENSION = "serve_deployments.weight_update.MergedWeightsExtension"
 
@@ -45,11 +46,9 @@ def engine_lora_slots(cfg: Config) -> int:
 def engine_kwargs(cfg: Config) -> dict:
     """`AsyncEngineArgs(**engine_kwargs(cfg))`; plain data so it travels through `.bind()`."""
     r = cfg.rollout
-    on_gpu = r.gpus_per_replica > 0
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     return {
         "model": str(cfg.model.path),
-        "dtype": dtype,
+        "dtype": cfg.torch_dtype,  # the trainer's dtype: behaviour and trainer logprobs must agree
         "max_model_len": cfg.model.max_model_len,
         "seed": cfg.train.seed,
         "enable_lora": True,
@@ -80,8 +79,8 @@ def replica_options(cfg: Config) -> dict:
         "num_replicas": r.replicas,
         "max_ongoing_requests": max(8, 2 * r.max_num_seqs),
         "ray_actor_options": {
-            "num_cpus": r.cpus_per_replica,
-            "num_gpus": r.gpus_per_replica,
+            "num_cpus": replica_resources(cfg)["CPU"],
+            "num_gpus": replica_resources(cfg).get("GPU", 0),
             "runtime_env": {"env_vars": engine_env(cfg)},
         },
         # Engine start and loading every live adapter happen before the replica reports healthy.

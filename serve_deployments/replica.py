@@ -132,6 +132,7 @@ class RolloutReplica:
         self._open.set()
         self._draining: set[int] = set()  # versions being unloaded: refuse new requests
         self._base_version = 0  # what the engine's base weights are: 0 = the original model
+        self._base_sha: str | None = None  # digest of the merged payload the base weights came from
         self.add_lora_ms: list[float] = []
         self.rejected: dict[int, str] = {}  # live versions whose payload failed verification at start
         self._init_openai()
@@ -333,7 +334,6 @@ class RolloutReplica:
             return getattr(self, "_base_sha", None)
         return self._slots._digests.get(version)  # fixed per version: a name never gets other weights
 
-
     def _resolve_model(self, model: str | None) -> int:
         if model in (None, "", BASE_NAME, Path(self._model).name, self._model):
             return self._base_version
@@ -437,6 +437,11 @@ class RolloutReplica:
         if version < self._base_version:
             raise ReplicaError(f"{policy_name(version)} is older than the merged {policy_name(self._base_version)}", 409)
         t0 = time.perf_counter()
+        meta = (await self._registry.get.remote(version))["meta"]
+        if meta.get("sha256") and meta["sha256"] == self._base_sha:
+            # A tagged version (the trainer's weights did not move): the engine already holds them.
+            self._base_version = version
+            return {"version": version, "already": True, "replica_id": self.replica_id}
         tensors, meta = await self._fetch(version)
         try:
             verify_merged(tensors, meta, self._shapes)
@@ -456,7 +461,7 @@ class RolloutReplica:
                 for v in list(self._slots.loaded):
                     await self._evict(v)
                 await self.engine.reset_prefix_cache()
-                self._base_version = version
+                self._base_version, self._base_sha = version, meta.get("sha256")
             finally:
                 self._open.set()
                 path.unlink(missing_ok=True)

@@ -105,9 +105,12 @@ def test_peft_export_reloads_with_the_trainers_logits(zero2_run):
 
 
 @pytest.mark.slow
-def test_zero3_kl_tis_grad_accum_only_lora_changes_and_resumes(tmp_path):
+def test_zero3_kl_tis_micro_batches_only_lora_changes_and_resumes(tmp_path):
     model = tiny_model()
-    cfg = small_config(model, train={"zero_stage": 3, "grad_accum": 2, "total_steps": 2}, checkpoint={"every": 1},
+    # 32-token budget over <= 24-token sequences: one or two sequences per micro-batch, several per step
+    cfg = small_config(model, model={"max_model_len": 32},
+                       train={"zero_stage": 3, "max_tokens_per_micro_batch": 32, "total_steps": 2},
+                       checkpoint={"every": 1},
                        grpo={"kl_coef": 0.1, "tis_cap": 2.0, "loss_agg": "seq-mean-token-sum"},
                        lora={"target_modules": ["q_proj", "v_proj", "up_proj"]})
     # persistence threshold 0: really partition even the tiny model's small tensors
@@ -120,6 +123,7 @@ def test_zero3_kl_tis_grad_accum_only_lora_changes_and_resumes(tmp_path):
     assert_only_lora_changed(full, model, cfg)
     steps = read_steps(tmp_path / "dump")
     assert steps[-1]["kl"] > 0 and "tis_weight_mean" in steps[-1]
+    assert steps[-1]["micro_batches"] >= 4  # 8 sequences per rank
     adapter = load(tmp_path / "ck" / "checkpoint_000002" / "adapter" / "adapter_model.safetensors")
     for k, v in adapter.items():  # the gathered export equals the live (gathered) weights
         assert torch.equal(v, full[k.replace(".weight", ".default.weight")]), k
@@ -143,8 +147,9 @@ def test_unknown_target_module_is_a_clear_config_error(tmp_path):
     assert "lm_head" not in msg
 
 
-def test_publisher_delta_skip_and_every():
-    """Single process (no process group): the skip decision is the local max |change|."""
+def test_publisher_versions_follow_steps_delta_tags_and_every():
+    """Single process (no process group): the skip decision is the local max |change|. The version
+    advances with every optimizer step; off-grid steps publish nothing, unmoved adapters are tagged."""
     from train_loops.adapter_sync import AdapterPublisher
     from train_loops.lora import build_lora_model, peft_config_dict
 
@@ -152,15 +157,19 @@ def test_publisher_delta_skip_and_every():
     pm = build_lora_model(cfg)
     pub = AdapterPublisher(rank=0, zero_stage=2, mode="adapter", every=2, delta_threshold=1e-2,
                            peft_config=peft_config_dict(pm), registry_name=None, device=torch.device("cpu"))
-    assert pub.maybe_publish(pm, 1) == {"published": 0, "version": 0}  # not a sync step
+    one = pub.maybe_publish(pm, 1)  # not a sync step
+    assert (one["published"], one["aliased"], one["version"], one["served_version"]) == (0, 0, 1, 0)
     first = pub.maybe_publish(pm, 2)
-    assert first["published"] == 1 and first["version"] == 1 and first["adapter_bytes"] > 0
+    assert first["published"] == 1 and first["version"] == 2 and first["adapter_bytes"] > 0
     lora_b = next(p for n, p in pm.named_parameters() if "lora_B" in n)
     with torch.no_grad():
         lora_b[0, 0] += 5e-3  # below the threshold
-    assert pub.maybe_publish(pm, 4)["published"] == 0
+    assert pub.maybe_publish(pm, 3)["version"] == 3
+    tagged = pub.maybe_publish(pm, 4)
+    assert (tagged["published"], tagged["aliased"], tagged["version"], tagged["served_version"]) == (0, 1, 4, 4)
     with torch.no_grad():
         lora_b[0, 0] += 1e-2  # 1.5e-2 since the last publish
+    pub.maybe_publish(pm, 5)
     again = pub.maybe_publish(pm, 6)
-    assert again["published"] == 1 and again["version"] == 2
+    assert again["published"] == 1 and again["version"] == 6 and again["served_version"] == 6
     assert again["max_delta"] == pytest.approx(1.5e-2, rel=1e-3)

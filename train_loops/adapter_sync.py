@@ -69,7 +69,8 @@ class AdapterPublisher:
         self.every, self.delta_threshold = every, delta_threshold
         self.peft_config, self.device = peft_config, device
         self.registry = ray_actor(registry_name) if rank == 0 else None
-        self.version = start_version
+        self.version = start_version  # the trainer's policy version: optimizer steps taken
+        self.served_version = 0  # the newest version the registry holds (published or tagged); 0 = base
         self._last: dict[str, torch.Tensor] | None = None
         self._base = None
         self._base_dir = base_model_dir
@@ -86,23 +87,42 @@ class AdapterPublisher:
         if dist.is_initialized():
             dist.broadcast_object_list(obj, src=0, device=self.device if self.device.type == "cuda" else None)
         self.version = obj[0]
+        # The restored adapter is not known to be what the registry serves: the next publish step sends
+        # its tensors (_last is None), never a tag.
+        self.served_version = 0
         return self.version
 
     def maybe_publish(self, peft_model, step: int) -> dict:
-        """Collective; returns metrics (published, version, publish_seconds, adapter_bytes, max_delta)."""
+        """Collective; called after every optimizer step. The policy version advances with every step,
+        published or not, so pacing and staleness follow the trainer (a zero-gradient step or
+        `sync.every > 1` never leaves the rollout side waiting for a version that does not come).
+
+        - A step off the `sync.every` grid publishes nothing: replicas keep sampling the last published
+          version, and its samples age against the trainer's version as they should.
+        - A step whose adapter did not move (max |delta| <= threshold) tags the last published payload
+          with the new version: no bytes move, and the name is true because the weights are the same.
+        - Otherwise the tensors are published under the new version."""
+        self.version += 1
+        out = {"published": 0, "aliased": 0, "version": self.version, "served_version": self.served_version}
         if step % self.every:
-            return {"published": 0, "version": self.version}
+            return out
         t0 = time.perf_counter()
         tensors = gather_lora_state(peft_model, self.zero_stage)
         delta = _all_reduce_max(max_abs_change(tensors, self._last), self.device)
-        if delta <= self.delta_threshold:
-            return {"published": 0, "version": self.version, "max_delta": delta}
+        if delta <= self.delta_threshold and self.served_version:
+            if self.rank == 0 and self.registry is not None:
+                import ray
+
+                ray.get(self.registry.tag.remote(self.version, self.served_version))
+            self.served_version = self.version
+            return {**out, "aliased": 1, "served_version": self.version, "max_delta": delta,
+                    "publish_seconds": time.perf_counter() - t0}
         self._last = tensors
-        self.version += 1
         nbytes = tensors_nbytes(tensors)
         if self.rank == 0 and self.registry is not None:
             nbytes = self._publish(tensors)
-        return {"published": 1, "version": self.version, "publish_seconds": time.perf_counter() - t0,
+        self.served_version = self.version
+        return {**out, "published": 1, "served_version": self.version, "publish_seconds": time.perf_counter() - t0,
                 "adapter_bytes": nbytes, "max_delta": delta if delta != float("inf") else -1.0}
 
     def _publish(self, lora: dict[str, torch.Tensor]) -> int:

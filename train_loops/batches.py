@@ -67,12 +67,6 @@ def buffer_batch(trainer_version: int, n_groups: int) -> StepBatch:
                      wait_seconds=float(out["wait_seconds"]))
 
 
-def rank_slice(samples: list[Sample], rank: int, world: int) -> list[Sample]:
-    """Contiguous equal slices (config validation guarantees the batch divides by world x grad_accum)."""
-    per = len(samples) // world
-    return samples[rank * per:(rank + 1) * per]
-
-
 def collate(samples: list[Sample], pad_id: int = 0, device: str | torch.device = "cpu") -> dict:
     """Right-padded prompt+completion ids, and per completion token: the position whose hidden state
     predicts it (`pred_pos`), the token (`targets`), behaviour logprob and mask."""

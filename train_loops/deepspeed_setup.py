@@ -41,12 +41,15 @@ def init_distributed(use_gpu: bool) -> None:
 
 
 def ds_config(cfg: Config, world_size: int, overrides: dict | None = None) -> dict:
-    t, g = cfg.train, cfg.grpo
-    batch = g.prompts_per_step * g.group_size
+    t = cfg.train
     conf = {
-        "train_batch_size": batch,
-        "train_micro_batch_size_per_gpu": batch // (world_size * t.grad_accum),
-        "gradient_accumulation_steps": t.grad_accum,
+        # The worker decides each step's micro-batches from a token budget (train_loops.micro_batches)
+        # and marks the last one as the accumulation boundary itself (set_gradient_accumulation_boundary).
+        # DeepSpeed 0.19's unmanaged mode (managed_gradient_accumulation: false) hangs ZeRO-3 at the
+        # second step when a step has several backwards; the manual boundary works for stages 0-3.
+        "train_batch_size": world_size,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
         "gradient_clipping": float(t.max_grad_norm),
         "zero_optimization": {"stage": t.zero_stage},
         "bf16": {"enabled": cfg.torch_dtype == "bfloat16"},

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.config import Config
+from common.placement import trainer_resources
 from train_loops.adapter_sync import REGISTRY_NAME
 from train_loops.worker import train_loop_per_worker
 
@@ -35,7 +36,7 @@ def build_trainer(cfg: Config, run_dir: str | Path, *, batch_source: str = "buff
         "ds_overrides": ds_overrides,
         **(extra_loop_cfg or {}),
     }
-    resources = {"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}
+    resources = trainer_resources(cfg)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_cfg,

@@ -31,11 +31,11 @@ import torch.distributed as dist
 
 from common.config import Config, from_dict, validate
 from train_loops import checkpoint as ckpt
-from train_loops.batches import BUFFER_NAME, StepBatch, buffer_batch, collate, rank_slice, synthetic_batch
-from train_loops.grpo import grpo_loss
+from train_loops.batches import BUFFER_NAME, StepBatch, buffer_batch, collate, synthetic_batch
+from train_loops.losses import get_policy_loss
 
 _MAX_KEYS = ("log_ratio_abs_max",)
-_SUM_KEYS = ("tokens", "seq_tokens")
+_SUM_KEYS = ("tokens", "seq_tokens", "padded_tokens")
 
 
 def train_loop_per_worker(loop_cfg: dict) -> None:
@@ -66,15 +66,21 @@ class GRPOWorker:
 
         self.model = build_lora_model(cfg)
         self.peft_config = peft_config_dict(self.model)
+        self.policy_loss = get_policy_loss(cfg.grpo.loss)
         self.pad_id = self.model.config.pad_token_id or 0
         self.vocab = self.model.config.vocab_size
-        policy = PolicyLogprobs(self.model, cfg.train.logprob_chunk, cfg.grpo.temperature)
+        # ZeRO-3 gathers the LM head at every chunk (and again in each chunk's recompute): ranks whose
+        # micro-batches hold different token counts would run different numbers of collectives and
+        # deadlock, so under ZeRO-3 (CPU only: refused on GPU) the head runs once per forward.
+        chunk = cfg.train.logprob_chunk if cfg.train.zero_stage < 3 else 1 << 62
+        policy = PolicyLogprobs(self.model, chunk, cfg.grpo.temperature)
         self.engine = build_engine(policy, cfg, self.world, loop_cfg.get("ds_overrides"))
         self.metrics = ray_actor(loop_cfg.get("metrics_name")) if self.rank == 0 else None
         self.publisher = AdapterPublisher(
             rank=self.rank, zero_stage=cfg.train.zero_stage, mode=cfg.sync.mode, every=cfg.sync.every,
             delta_threshold=cfg.sync.delta_threshold, peft_config=self.peft_config,
             registry_name=loop_cfg.get("registry_name"), device=self.device, base_model_dir=cfg.model.path)
+        self.token_budget = self._token_budget()
         self.state = {"step": 0, "version": 0, "consumed_groups": 0}
         self._restore()
         self.publisher.resume_version(self.state["version"])
@@ -97,15 +103,16 @@ class GRPOWorker:
         t0 = time.perf_counter()
         batch = self.next_batch(step)
         t1 = time.perf_counter()
-        stats = self.learn(rank_slice(batch.samples, self.rank, self.world))
+        stats = self.learn(batch.samples)
         t2 = time.perf_counter()
         pub = self.publisher.maybe_publish(self.model, step)
         self.state.update(step=step, version=self.publisher.version,
                           consumed_groups=self.state["consumed_groups"] + len(batch.groups))
-        if self.rank == 0 and pub["published"] and self.source == "buffer":
+        if self.rank == 0 and self.source == "buffer":
             from train_loops.adapter_sync import ray_actor
 
-            ray_actor(BUFFER_NAME).set_trainer_version.remote(pub["version"])  # drop stale groups early
+            # Every step: frees generation slots for the next batches and drops stale groups early.
+            ray_actor(BUFFER_NAME).set_trainer_version.remote(pub["version"])
         reward_mean, reward_std = batch.reward_stats()
         row = {**stats, **pub, "step_seconds": time.perf_counter() - t0, "batch_wait_seconds": t1 - t0,
                "learn_seconds": t2 - t1, "train_tokens_per_s": stats["seq_tokens"] / max(t2 - t1, 1e-9),
@@ -120,43 +127,66 @@ class GRPOWorker:
         g = self.cfg.grpo
         if self.source == "synthetic":
             return synthetic_batch(self.cfg.train.seed, step, g.prompts_per_step, g.group_size, self.vocab,
-                                   g.max_new_tokens, g.scale_rewards)
+                                   g.max_new_tokens, self.cfg.scale_advantages)
         obj = [buffer_batch(self.publisher.version, g.prompts_per_step) if self.rank == 0 else None]
         dist.broadcast_object_list(obj, src=0, device=self._obj_device())
         return obj[0]
 
-    def learn(self, samples: list) -> dict:
-        """One optimizer step over this rank's samples, in grad_accum micro-batches."""
-        g, accum = self.cfg.grpo, self.cfg.train.grad_accum
-        per = len(samples) // accum
+    def learn(self, batch_samples: list) -> dict:
+        """One optimizer step over the step's samples: this rank's share, cut into micro-batches by the
+        token budget (train_loops.micro_batches), every rank running the same number of backwards."""
+        from train_loops import micro_batches as mb
+
+        g = self.cfg.grpo
+        ranks = mb.assign_ranks(batch_samples, self.world)
+        n_micro = mb.micro_batches_needed(ranks, self.token_budget)
+        micro = mb.plan(ranks, self.rank, self.token_budget, n_micro)
+        token_denom, seq_denom = mb.step_denominators(ranks)
         micro_stats = []
-        denom = self._token_denominator(samples) if g.loss_agg == "token-mean" else None
-        for i in range(accum):
-            b = collate(samples[i * per:(i + 1) * per], self.pad_id, self.device)
+        for i in range(n_micro):
+            # A rank with fewer sequences than the others' micro-batch count repeats one with weight 0:
+            # its backward must still run, or the ZeRO reductions of the ranks go out of step.
+            part, weight = (micro[i], 1.0) if i < len(micro) else (micro[-1][:1], 0.0)
+            b = collate(part, self.pad_id, self.device)
             fwd = {k: b[k] for k in ("input_ids", "attention_mask", "pred_pos", "targets", "mask")}
             logp, entropy = self.engine(**fwd)
             ref = None
             if g.kl_coef > 0:
                 with torch.no_grad():
                     ref, _ = self.engine(**fwd, disable_adapter=True)
-            loss, st = grpo_loss(logp, b["behaviour_logp"], b["mask"], b["advantages"],
-                                 clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high,
-                                 loss_agg=g.loss_agg, kl_coef=g.kl_coef, ref_logp=ref, tis_cap=g.tis_cap,
-                                 entropy=entropy, token_denominator=denom)
-            self.engine.backward(loss)
-            self.engine.step()
-            micro_stats.append({**st, "loss": float(loss.detach()), "seq_tokens": int(b["attention_mask"].sum())})
+            loss, st = self._loss(logp, b, ref, entropy, token_denom, seq_denom)
+            self.engine.set_gradient_accumulation_boundary(i == n_micro - 1)
+            self.engine.backward(loss * weight, scale_wrt_gas=False)
+            self.engine.step()  # applies the update only at the boundary
+            if weight:
+                micro_stats.append({**st, "loss": float(loss.detach()),
+                                    "seq_tokens": int(b["attention_mask"].sum()),
+                                    "padded_tokens": int(b["attention_mask"].numel())})
         stats = _combine(micro_stats)
+        stats["loss"] *= len(micro_stats)  # micro-batch losses are shares of the step's loss: sum them
+        stats["micro_batches"] = n_micro
         grad_norm = self.engine.get_global_grad_norm()
         stats["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         return stats
 
-    def _token_denominator(self, samples: list) -> float:
-        """The step's completion-token count over all ranks, per (rank x micro-batch) share."""
-        n = torch.tensor([float(sum(len(s.completion_ids) for s in samples))], dtype=torch.float64,
-                         device=self.device)
-        dist.all_reduce(n)
-        return max(float(n.item()), 1.0) / (self.world * self.cfg.train.grad_accum)
+    def _loss(self, logp, b: dict, ref, entropy, token_denom: float, seq_denom: float):
+        return self.policy_loss(logp, b["behaviour_logp"], b["mask"], b["advantages"], opts=self.cfg.grpo,
+                                ref_logp=ref, entropy=entropy, token_denominator=token_denom,
+                                seq_denominator=seq_denom)
+
+    def _token_budget(self) -> int:
+        """train.max_tokens_per_micro_batch, or the automatic one agreed by all ranks (the smallest)."""
+        from train_loops.micro_batches import auto_budget
+
+        t = self.cfg.train
+        if t.max_tokens_per_micro_batch is not None:
+            return t.max_tokens_per_micro_batch
+        dtype_bytes = 4 if self.cfg.torch_dtype == "float32" else 2
+        mine = auto_budget(self.model.config, self.device, dtype_bytes, t.gradient_checkpointing,
+                           self.cfg.model.max_model_len, t.logprob_chunk)
+        v = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(v, op=dist.ReduceOp.MIN)
+        return int(v.item())
 
     # ------------------------------------------------------------------ reporting, checkpoints
 
@@ -255,7 +285,8 @@ class GRPOWorker:
 
 
 _STAT_KEYS = ("loss", "kl", "clip_frac", "entropy", "log_ratio_abs_mean", "log_ratio_abs_max", "tokens",
-              "seq_tokens", "grad_norm", "tis_weight_mean", "tis_clip_frac")
+              "seq_tokens", "padded_tokens", "grad_norm", "tis_weight_mean", "tis_clip_frac", "micro_batches",
+              "is_weight_mean", "seq_log_ratio_abs_mean")
 
 
 def _combine(stats: list[dict]) -> dict:
