@@ -128,7 +128,15 @@ class RolloutWorker:
                                f"{str(cache.get(v))[:12]}")
 
     async def run(self) -> int:
-        """Loop until stopped or the data runs out; returns the number of groups produced."""
+        """`rollout.groups_per_worker` concurrent loops until stopped or the data runs out; returns the
+        number of groups produced. Concurrency inside one actor (asyncio) keeps enough groups in flight
+        to fill the engines' batches without an actor per group."""
+        import asyncio
+
+        await asyncio.gather(*(self._loop() for _ in range(self.cfg.rollout.groups_per_worker)))
+        return self.groups_done
+
+    async def _loop(self) -> None:
         while not self._stop:
             if not await self.buffer.acquire.remote():
                 break  # buffer closed: training is over
@@ -153,7 +161,6 @@ class RolloutWorker:
             self.groups_done += 1
             if self.metrics is not None:
                 self.metrics.log_rollout.remote(group.gen_tokens, group.gen_seconds, sum(group.rewards) / len(group.samples))
-        return self.groups_done
 
     def stop(self) -> None:
         self._stop = True

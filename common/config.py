@@ -158,6 +158,8 @@ class RolloutConfig:
     max_num_seqs: int = _f(64, "vLLM max_num_seqs.")
     enforce_eager: bool = _f(True, "Skip CUDA graphs / torch.compile (fast start); set False on GPU for speed.")
     workers: int = _f(2, "Rollout worker actors that turn prompts into scored groups.")
+    groups_per_worker: int = _f(1, "Groups each rollout worker samples concurrently (workers x this = groups in "
+                                   "flight; enough to fill the engines' batches on GPU).")
     http_port: int = _f(8000, "Serve HTTP port of the OpenAI-compatible router.")
     admin_token: str | None = _f(None, "Bearer token for admin routes; env LORA_GRPO_ADMIN_TOKEN if null; none = admin off.")
     app_name: str = _f("policy", "Serve application name.")
@@ -458,6 +460,7 @@ def validate(cfg: Config) -> None:
     need(r.kv_cache_gib >= 1, "rollout.kv_cache_gib: must be a whole number of GiB >= 1")
     need(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization: must be in (0, 1]")
     need(r.workers >= 1, "rollout.workers: must be >= 1")
+    need(r.groups_per_worker >= 1, "rollout.groups_per_worker: must be >= 1")
     need(1 <= r.http_port <= 65535, "rollout.http_port: must be a TCP port")
     need(r.max_body_bytes >= 1024, f"rollout.max_body_bytes: must be >= 1024, got {r.max_body_bytes}")
     need(r.max_inflight_per_replica is None or r.max_inflight_per_replica >= 1,

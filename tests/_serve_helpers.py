@@ -13,6 +13,7 @@ Use from a test module: `from tests._serve_helpers import serve_env  # noqa: F40
 """
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,10 @@ def small_config(model_dir, replicas: int = 1, max_staleness: int = 1, max_loras
     cfg.rollout.max_lora_rank = max_lora_rank
     for k, v in rollout.items():
         setattr(cfg.rollout, k, v)
+    if os.environ.get("LORA_GRPO_TEST_GPU") == "1":  # the same suites on a GPU machine (vllm 0.25.1)
+        cfg.train.use_gpu = True
+        cfg.rollout.gpus_per_replica = round(0.9 / replicas, 3)
+        cfg.rollout.gpu_memory_utilization = round(0.8 / replicas, 3)
     cfg.sync.max_staleness = max_staleness
     cfg.sync.max_loras = max_loras
     return cfg

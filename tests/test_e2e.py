@@ -2,32 +2,18 @@
 train worker killed mid-run (Ray Train restores from the last checkpoint), then the endpoint serves
 `policy-latest` equal to the exported adapter. Real Ray, Serve, vLLM, DeepSpeed and PEFT throughout."""
 import json
-import math
 
 import httpx
 import pytest
 import torch
 
+from app.report import proportion_z
 from common import config as C
 from tests._serve_helpers import free_port
 
 pytestmark = pytest.mark.slow
 
 STEPS = 40
-
-
-def _proportion_z(first: list[dict], last: list[dict]) -> float:
-    """Two-proportion z statistic of the per-sample success rate, last steps vs first steps
-    (each row is a batch of prompts_per_step x group_size Bernoulli rewards)."""
-    def pooled(rows):
-        n = sum(r["samples"] for r in rows)
-        return sum(r["reward_mean"] * r["samples"] for r in rows) / n, n
-
-    p1, n1 = pooled(first)
-    p2, n2 = pooled(last)
-    p = (p1 * n1 + p2 * n2) / (n1 + n2)
-    se = math.sqrt(max(p * (1 - p), 1e-9) * (1 / n1 + 1 / n2))
-    return (p2 - p1) / se
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +70,7 @@ def test_reward_rises_beyond_noise(e2e_run):
         by_step[r["step"]] = dict(r, samples=cfg.grpo.prompts_per_step * cfg.grpo.group_size)
     ordered = [by_step[s] for s in sorted(by_step)]
     k = len(ordered) // 4
-    z = _proportion_z(ordered[:k], ordered[-k:])
+    z = proportion_z(ordered[:k], ordered[-k:], cfg.grpo.prompts_per_step * cfg.grpo.group_size)
     assert z > 3.0, f"reward did not rise beyond noise: z={z:.2f}, rows={[round(r['reward_mean'], 3) for r in ordered]}"
 
 

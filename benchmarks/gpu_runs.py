@@ -1,0 +1,119 @@
+"""The GPU runs of issue 8, each a real `app train` run (driver, Ray, Serve, vLLM, DeepSpeed) on a local
+Ray cluster limited to the run's GPU count:
+
+    python benchmarks/gpu_runs.py small-1x   # recipes/gpu-1x.yaml: the small model learns on one GPU (z > 3)
+    python benchmarks/gpu_runs.py small-2x   # recipes/gpu-2x.yaml on two GPUs
+    python benchmarks/gpu_runs.py qwen-1x    # the Qwen2.5-1.5B shape (real vocabulary), 16 x 8, 1,024 new
+    python benchmarks/gpu_runs.py qwen-2x    #   tokens, rank 1, 20 steps, default micro-batching
+    python benchmarks/gpu_runs.py small-1x --merge   # the same with sync.mode=merge
+
+Each run adds a record to OUT/gpu_runs.json (reward z-test, step-1 trainer/vLLM log ratio, step times,
+micro-batches, peak memory, publish latency) with the command that made it. CPU smoke: `--smoke`
+runs the tiny CPU recipe through the same code (what the tests do)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+QWEN = ["model.path=runs/qwen2.5-1.5b-model", "model.tiny_shape=qwen2.5-1.5b", "model.max_model_len=2048",
+        "grpo.max_new_tokens=1024", "lora.rank=1", "lora.alpha=2", "rollout.max_lora_rank=1",
+        "train.total_steps=20", "checkpoint.every=0", "grpo.lr=1e-4"]
+RUNS = {
+    "small-1x": ("recipes/gpu-1x.yaml", [], 1),
+    "small-2x": ("recipes/gpu-2x.yaml", [], 2),
+    "qwen-1x": ("recipes/gpu-1x.yaml", QWEN, 1),
+    "qwen-2x": ("recipes/gpu-2x.yaml", QWEN, 2),
+    "smoke": ("recipes/tiny-cpu.yaml", ["train.total_steps=6", "checkpoint.every=0"], 0),
+}
+
+
+def _p50(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    return xs[len(xs) // 2] if xs else None
+
+
+def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command: str) -> dict:
+    from app.report import proportion_z
+
+    steady = rows[2:] or rows
+    k = max(1, len(rows) // 4)
+    n = cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    return {
+        "run": name, "command": command, "wall_seconds": wall, "steps": len(rows),
+        "model_shape": cfg.model.tiny_shape, "sync_mode": cfg.sync.mode,
+        "reward_first_quarter": summary.get("reward_first_quarter"),
+        "reward_last_quarter": summary.get("reward_last_quarter"),
+        "reward_z": proportion_z(rows[:k], rows[-k:], n) if len(rows) >= 4 else None,
+        "step1_log_ratio_abs_mean": rows[0].get("log_ratio_abs_mean") if rows else None,
+        "log_ratio_abs_mean_p50": _p50([r.get("log_ratio_abs_mean") for r in rows]),
+        "step_seconds_p50": _p50([r.get("step_seconds") for r in steady]),
+        "learn_seconds_p50": _p50([r.get("learn_seconds") for r in steady]),
+        "train_tokens_per_s_p50": _p50([r.get("train_tokens_per_s") for r in steady]),
+        "gen_tokens_per_s_p50": _p50([r.get("gen_tokens_per_s") for r in steady]),
+        "seq_tokens_per_step": _p50([r.get("seq_tokens") for r in rows]),
+        "micro_batches": _p50([r.get("micro_batches") for r in rows]),
+        "peak_mem_gib": max((r.get("peak_mem_gib", 0.0) for r in rows), default=None),
+        "publish_seconds_p50": _p50([r.get("publish_seconds") for r in rows]),
+        "published": sum(r.get("published", 0) for r in rows), "aliased": sum(r.get("aliased", 0) for r in rows),
+        "final_version": rows[-1].get("version") if rows else None,
+        "trainer_idle_fraction": summary.get("trainer_idle_fraction"),
+        "generation_idle_fraction": summary.get("generation_idle_fraction"),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", choices=list(RUNS))
+    p.add_argument("--merge", action="store_true", help="sync.mode=merge")
+    p.add_argument("--set", action="append", default=[], help="extra config overrides")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+
+    import ray
+
+    from app import driver
+    from common import config as C
+
+    recipe, sets, gpus = RUNS[args.run]
+    name = args.run + ("-merge" if args.merge else "")
+    sets = sets + (["sync.mode=merge"] if args.merge else []) + [f"run.name={name}", "run.out_dir=runs/gpu"] + args.set
+    cfg = C.load(str(REPO / recipe), sets)
+    ray.init(address="local", num_gpus=gpus, include_dashboard=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    t0 = time.time()
+    error = None
+    try:
+        summary = driver.run(cfg, progress=True)
+    except Exception as e:  # the record says how it failed
+        error, summary = f"{type(e).__name__}: {e}"[-3000:], {}
+    wall = time.time() - t0
+    run_dir = cfg.run_dir
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.strip()] if (run_dir / "metrics.jsonl").exists() else []
+    command = f"python benchmarks/gpu_runs.py {' '.join(argv if argv is not None else sys.argv[1:])}"
+    rec = record(name, cfg, rows, summary, wall, command)
+    rec["error"] = error
+    import torch
+
+    rec["device"] = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available()
+                     else "cpu")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    f = out / "gpu_runs.json"
+    doc = json.loads(f.read_text()) if f.exists() else {}
+    doc[name] = rec
+    f.write_text(json.dumps(doc, indent=2, default=float))
+    print(json.dumps(rec, indent=2, default=float), flush=True)
+    ray.shutdown()
+    return 0 if error is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
