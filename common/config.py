@@ -301,8 +301,14 @@ def from_dict(d: dict | None) -> Config:
 
 
 def _coerce(text: str) -> Any:
-    """`--set` values are YAML scalars: 3, 0.5, true, null, [q_proj, v_proj], strings."""
-    return yaml.safe_load(text)
+    """`--set` values are YAML scalars: 3, 0.5, 1e-4, true, null, [q_proj, v_proj], strings."""
+    value = yaml.safe_load(text)
+    if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def apply_overrides(d: dict, overrides: list[str]) -> dict:
