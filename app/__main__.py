@@ -122,12 +122,12 @@ def cmd_bench(argv: list[str]) -> int:
     from pathlib import Path
 
     bench_dir = Path(__file__).resolve().parent.parent / "benchmarks"
-    names = sorted(p.stem.removeprefix("bench_") for p in bench_dir.glob("bench_*.py"))
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in names:
-        print("usage: python -m app bench NAME [args]\nbenchmarks: " + ", ".join(names))
+    scripts = {p.stem.removeprefix("bench_"): p for p in [*bench_dir.glob("bench_*.py"), *bench_dir.glob("gpu_*.py")]}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in scripts:
+        print("usage: python -m app bench NAME [args]\nbenchmarks: " + ", ".join(sorted(scripts)))
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    sys.argv = [f"bench_{argv[0]}.py", *argv[1:]]
-    runpy.run_path(str(bench_dir / f"bench_{argv[0]}.py"), run_name="__main__")
+    sys.argv = [scripts[argv[0]].name, *argv[1:]]
+    runpy.run_path(str(scripts[argv[0]]), run_name="__main__")
     return 0
 
 

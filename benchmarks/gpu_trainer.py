@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--shape", choices=list(SHAPES), default="qwen1.5b-body")
-    p.add_argument("--zero", type=int, nargs="+", default=[2, 3])
+    p.add_argument("--zero", type=int, nargs="+", default=[2], help="ZeRO stages (3 is refused on GPU for LoRA)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--new-tokens", type=int, default=1024)
     p.add_argument("--rank", type=int, default=1)
