@@ -259,14 +259,6 @@ class ConfigError(ValueError):
 
 # ---------------------------------------------------------------- loading
 
-def _sections() -> dict[str, type]:
-    return {f.name: f.type if isinstance(f.type, type) else _resolve(f.type) for f in dataclasses.fields(Config)}
-
-
-def _resolve(tp):
-    return typing.get_type_hints(Config)[tp] if isinstance(tp, str) else tp
-
-
 def _section_types() -> dict[str, type]:
     return typing.get_type_hints(Config)
 

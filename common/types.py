@@ -28,18 +28,6 @@ def lora_int_id(version: int) -> int:
 
 
 @dataclass
-class Completion:
-    """One sampled completion as the rollout service returns it."""
-
-    token_ids: list[int]
-    logprobs: list[float]  # behaviour logprob of each sampled token, under `version`
-    text: str
-    finish_reason: str | None
-    version: int  # 0 = base model
-    prompt_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
 class Sample:
     """One scored completion, ready for the GRPO loss."""
 

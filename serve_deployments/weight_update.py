@@ -20,6 +20,3 @@ class MergedWeightsExtension:
         tensors = load_file(path)
         self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
         return len(tensors)
-
-    def parameter_shapes(self) -> dict[str, list[int]]:
-        return {n: list(p.shape) for n, p in self.model_runner.model.named_parameters()}
