@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 RewardFn = Callable[[str, str, str], float]
 

@@ -362,7 +362,7 @@ def transport(args, tmp: Path) -> dict:
                                                    "bytes_moved": full_bytes * (2 + args.transport_replicas),
                                                    "extrapolated_from_layers": args.merged_layers,
                                                    "scale": scale, **extra}
-    for name, r in out["payloads"].items():
+    for r in out["payloads"].values():
         if r["kind"] == "adapter":
             r["bytes_ratio_merged_over_adapter"] = full_bytes / r["nbytes"]
     return out
@@ -474,7 +474,7 @@ def report(doc: dict) -> dict:
                   f"{[r['replicas'] for r in ran]} -> {'met' if met['tiny_adapter_p50_le_0.5s'] else 'MISSED'}")
             if len(ran) > 1:
                 r0 = ran[0]["adapter"]["total_s"]["p50"]
-                print("adapter p50 vs R=%d: " % ran[0]["replicas"] + ", ".join(
+                print(f"adapter p50 vs R={ran[0]['replicas']}: " + ", ".join(
                     f"R={r['replicas']} {r['adapter']['total_s']['p50'] / r0:.2f}x" for r in ran))
         missing = [r["replicas"] for r in doc["full_path"] if "adapter" not in r]
         if missing:
@@ -557,7 +557,7 @@ def _plot(doc: dict, path: Path) -> None:
                        ha="center", va="bottom", fontsize=8)
         b.axhline(TARGET_RANK1_P50_S, ls="--", color="#888", lw=1, label="target 1 s (rank 1)")
         b.set_yscale("log")
-        b.set_ylabel("ray.put + publish to %d replicas, s (p50)" % t["replicas"])
+        b.set_ylabel(f"ray.put + publish to {t['replicas']} replicas, s (p50)")
         b.set_title("(b) Qwen2.5-1.5B shape, bf16, transport only")
         b.legend(fontsize=8)
         stages = ["digest_s", "put_s", "arg_transfer_s", "registry_reput_s", "registry_get_s", "fetch_s", "verify_s",

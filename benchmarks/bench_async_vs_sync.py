@@ -53,7 +53,7 @@ def main(argv=None) -> int:
                 *args.set])
             t0 = time.time()
             s = driver.run(cfg, progress=True)
-            rows = [json.loads(l) for l in (work / mode / "metrics.jsonl").read_text().splitlines()]
+            rows = [json.loads(line) for line in (work / mode / "metrics.jsonl").read_text().splitlines()]
             # steady state: steps 2..N (step 1 waits for engine and trainer warm-up in both modes)
             steady_wall = rows[-1]["time"] - rows[0]["time"]
             results[mode] = {

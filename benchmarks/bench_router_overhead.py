@@ -37,7 +37,7 @@ def fill(pol: PrefixPolicy, replicas: int, tracked: int, block_size: int) -> flo
     t0 = time.perf_counter()
     rng = random.Random(1)
     per_prompt = 1024 // block_size
-    for i, r in enumerate(pol.replicas):
+    for r in pol.replicas:
         for _ in range(tracked // per_prompt + 1):
             hashes = [rng.getrandbits(64) for _ in range(per_prompt)]
             pol.choose({"hashes": hashes, "hit_cap": per_prompt}, None, candidates=[r])

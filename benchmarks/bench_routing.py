@@ -222,7 +222,7 @@ def placement(groups: list[dict], wl: dict, G: int) -> dict:
         cap = cacheable_blocks(len(toks), bs)
         bucket = revisit if key in ever else first
         ever.add(key)
-        for i, rid in enumerate(g["replicas"]):
+        for rid in g["replicas"]:
             h = held.setdefault(rid, set())
             n = 0
             for x in hashes[:cap]:

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
             (Path(args.out) / f"gpu_trainer_z{zero}.log").write_text(proc.stdout + proc.stderr)
             results.append({"zero": zero, "ok": False, "error": proc.stderr[-2000:]})
             continue
-        rows = [json.loads(l) for l in (dump / "steps.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (dump / "steps.jsonl").read_text().splitlines()]
         steady = rows[1:] or rows
         res = {"zero": zero, "ok": True, "nproc": args.nproc, "wall_seconds": wall,
                "step_seconds_p50": sorted(r["step_seconds"] for r in steady)[len(steady) // 2],

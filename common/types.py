@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 POLICY_PREFIX = "policy-v"
 POLICY_LATEST = "policy-latest"

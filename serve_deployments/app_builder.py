@@ -55,9 +55,9 @@ def start_service(cfg: Config, registry_name: str | None = None, registry_namesp
                   registry=None) -> serve.handle.DeploymentHandle:
     """Run the app (name rollout.app_name, route prefix "/", HTTP on rollout.http_port) and attach the
     registry to it, so publishes load on every replica. Returns the ingress handle."""
-    from app.registry import NAMESPACE, REGISTRY_NAME, get_or_create_registry
-
     import ray
+
+    from app.registry import NAMESPACE, REGISTRY_NAME, get_or_create_registry
 
     registry_name = registry_name or REGISTRY_NAME
     registry_namespace = registry_namespace or NAMESPACE
@@ -128,9 +128,7 @@ def serve_main(argv: list[str] | None = None) -> int:
 
     from app.registry import get_or_create_registry
     from common import config as config_mod
-    from common.adapter_io import make_meta, read_peft_dir
-
-    from common.adapter_io import AdapterError
+    from common.adapter_io import AdapterError, make_meta, read_peft_dir
 
     sets = list(args.set) + [f"model.path={args.model}", "model.build_tiny=false"]
     if args.replicas is not None:

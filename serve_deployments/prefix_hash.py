@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 # Keyword argument under which a request carries its route key to the RequestRouter (which reads it
 # from `pending_request.kwargs`); the replica methods take and ignore it.

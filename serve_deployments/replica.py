@@ -21,7 +21,6 @@ import time
 import uuid
 import zlib
 from contextlib import asynccontextmanager
-from http import HTTPStatus
 from pathlib import Path
 
 import ray
@@ -30,8 +29,14 @@ from ray import serve
 from common.adapter_io import AdapterError
 from common.types import POLICY_LATEST, lora_int_id, parse_policy_name, policy_name
 from serve_deployments.adapter_slots import AdapterSlots, SlotsFullError
-from serve_deployments.adapter_store import (BaseModelShapes, remove_dir, scratch_root, verify_adapter,
-                                             verify_merged, write_adapter_dir)
+from serve_deployments.adapter_store import (
+    BaseModelShapes,
+    remove_dir,
+    scratch_root,
+    verify_adapter,
+    verify_merged,
+    write_adapter_dir,
+)
 
 log = logging.getLogger("ray.serve")
 
@@ -352,6 +357,7 @@ class RolloutReplica:
     async def _openai_call(self, path: str, body: dict):
         """Validate with vLLM's request models and run vLLM's serving class; returns (version, result)."""
         from pydantic import ValidationError
+
         from serve_deployments.vllm_compat import openai_serving_classes
 
         *_, CompletionRequest, ChatCompletionRequest = openai_serving_classes()

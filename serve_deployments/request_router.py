@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 

@@ -57,14 +57,14 @@ def test_versions_monotonic_and_within_staleness(e2e_run):
     cfg, summary, history, out, _ = e2e_run
     versions = [h["version"] for h in history]
     assert versions == sorted(versions) and len(set(versions)) == len(versions)
-    rows = [json.loads(l) for l in (out / "e2e" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "e2e" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["staleness_max"] <= cfg.sync.max_staleness for r in rows)
     assert all(r["staleness_mean"] >= 0 for r in rows)
 
 
 def test_reward_rises_beyond_noise(e2e_run):
     cfg, summary, history, out, _ = e2e_run
-    rows = [json.loads(l) for l in (out / "e2e" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "e2e" / "metrics.jsonl").read_text().splitlines()]
     by_step = {}
     for r in rows:  # after the restore, replayed steps log again: keep the last row of each step
         by_step[r["step"]] = dict(r, samples=cfg.grpo.prompts_per_step * cfg.grpo.group_size)
@@ -75,9 +75,9 @@ def test_reward_rises_beyond_noise(e2e_run):
 
 
 def test_endpoint_serves_policy_latest_equal_to_export(e2e_run, tiny_model_dir):
-    from common.adapter_io import read_peft_dir
     from transformers import AutoTokenizer
 
+    from common.adapter_io import read_peft_dir
     from tests._serve_helpers import peft_reference, prompt_ids
 
     cfg, summary, history, out, port = e2e_run

@@ -6,8 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_loops.grpo import (chunked_token_logprobs, group_advantages, grpo_loss, reference_logits_logprobs,
-                              sequence_logprobs)
+from train_loops.grpo import (
+    chunked_token_logprobs,
+    group_advantages,
+    grpo_loss,
+    reference_logits_logprobs,
+    sequence_logprobs,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -138,9 +143,9 @@ def test_chunked_logprobs_equal_full_softmax_values_and_grads():
 
 def test_sequence_logprobs_pick_the_completion_tokens(tmp_path):
     from _train_helpers import tiny_model
-    from common.types import Sample
     from transformers import AutoModelForCausalLM
 
+    from common.types import Sample
     from train_loops.batches import collate
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model(), dtype=torch.float32)

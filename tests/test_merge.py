@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _train_helpers import tiny_model  # noqa: E402
 
 from common.adapter_io import AdapterError, read_peft_dir, write_peft_dir  # noqa: E402
-from train_loops.merge import lora_pairs, main, merge_adapter, merged_state, load_base_state  # noqa: E402
+from train_loops.merge import load_base_state, lora_pairs, main, merge_adapter, merged_state  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests._serve_helpers import (Versions, deploy_replicas, make_lora_payload, peft_logprobs_of,  # noqa: F401
-                                  peft_reference, prompt_ids, publish, retire_all, serve_env, small_config)
+from tests._serve_helpers import (  # noqa: F401
+    Versions,
+    deploy_replicas,
+    make_lora_payload,
+    peft_logprobs_of,
+    peft_reference,
+    prompt_ids,
+    publish,
+    retire_all,
+    serve_env,
+    small_config,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests._serve_helpers import (Versions, make_lora_payload, prompt_ids, publish, retire_all,  # noqa: F401
-                                  serve_env, small_config)
+from tests._serve_helpers import Versions, make_lora_payload, prompt_ids, publish, retire_all, serve_env, small_config  # noqa: F401
 
 pytestmark = pytest.mark.slow
 

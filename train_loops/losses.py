@@ -25,7 +25,7 @@ Adding a loss: its name and one help line in `common.config.POLICY_LOSSES`, its 
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
