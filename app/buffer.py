@@ -8,6 +8,13 @@ So rollouts never run more than `max_staleness` versions ahead, and sync and asy
 
 The trainer's rank 0 calls `get_batch(trainer_version, n_groups)`: groups older than
 `trainer_version - max_staleness` are dropped and counted; the oldest acceptable groups go first.
+
+Slots per worker: a worker that passes its `worker_id` to `acquire` / `release` / `put` has its
+granted-but-not-put slots tracked, and `reset_worker(worker_id)` (what a restarted worker calls first)
+gives them back, so the restarted worker samples them again: none lost, none doubled. A call the dead
+incarnation left behind cannot double a slot either: its pending `acquire` grants nothing after the
+reset, and a late `put` for a slot already given back is dropped and counted (`orphan_puts`). Calls
+without a worker id keep the old, untracked behaviour.
 """
 from __future__ import annotations
 
@@ -35,30 +42,62 @@ class RolloutBuffer:
         self.dropped_groups = self.dropped_samples = 0
         self.put_groups = self.taken_groups = 0
         self._closed = False
+        self._outstanding: dict = {}  # worker id -> slots granted and neither released nor put
+        self._epoch: dict = {}  # worker id -> incarnation, bumped by reset_worker
+        self.reset_slots = self.orphan_puts = 0
 
     def _may_grant(self) -> bool:
         return self.granted // self.groups_per_step <= self.trainer_version + self.lead
 
-    async def acquire(self, timeout: float | None = None) -> bool:
-        """Wait for a slot; False once the buffer is closed (training over)."""
+    async def acquire(self, timeout: float | None = None, worker_id=None) -> bool:
+        """Wait for a slot; False once the buffer is closed (training over), or when `worker_id` was
+        reset while waiting (the caller is a dead incarnation)."""
         async with self._cond:
-            await asyncio.wait_for(self._cond.wait_for(lambda: self._closed or self._may_grant()), timeout)
-            if self._closed:
+            epoch = self._epoch.get(worker_id)
+            await asyncio.wait_for(self._cond.wait_for(
+                lambda: self._closed or self._epoch.get(worker_id) != epoch or self._may_grant()), timeout)
+            if self._closed or self._epoch.get(worker_id) != epoch:
                 return False
             self.granted += 1
+            if worker_id is not None:
+                self._outstanding[worker_id] = self._outstanding.get(worker_id, 0) + 1
             return True
 
-    async def release(self) -> None:
+    async def release(self, worker_id=None) -> None:
         """Give back a slot whose group failed or was never started."""
         async with self._cond:
+            if worker_id is not None:
+                if self._outstanding.get(worker_id, 0) <= 0:
+                    return  # already given back by reset_worker
+                self._outstanding[worker_id] -= 1
             self.granted -= 1
             self._cond.notify_all()
 
-    async def put(self, group: Group) -> None:
+    async def put(self, group: Group, worker_id=None) -> bool:
+        """Queue a scored group; False (dropped, counted in `orphan_puts`) when its slot was already
+        given back by `reset_worker`."""
         async with self._cond:
+            if worker_id is not None:
+                if self._outstanding.get(worker_id, 0) <= 0:
+                    self.orphan_puts += 1
+                    return False
+                self._outstanding[worker_id] -= 1
             self._q.append(group)
             self.put_groups += 1
             self._cond.notify_all()
+            return True
+
+    async def reset_worker(self, worker_id) -> int:
+        """A (re)started worker's first call: its granted-but-not-put slots are given back (to be
+        granted again) and any acquire its previous incarnation left waiting grants nothing. Returns
+        the number of slots given back."""
+        async with self._cond:
+            n = self._outstanding.pop(worker_id, 0)
+            self._epoch[worker_id] = self._epoch.get(worker_id, 0) + 1
+            self.granted -= n
+            self.reset_slots += n
+            self._cond.notify_all()
+            return n
 
     def _drop_stale(self) -> bool:
         """Drop groups older than the staleness floor; their slots are given back so generation
@@ -107,7 +146,9 @@ class RolloutBuffer:
     async def stats(self) -> dict:
         return {"queued": len(self._q), "granted": self.granted, "put_groups": self.put_groups,
                 "taken_groups": self.taken_groups, "dropped_groups": self.dropped_groups,
-                "dropped_samples": self.dropped_samples, "trainer_version": self.trainer_version}
+                "dropped_samples": self.dropped_samples, "trainer_version": self.trainer_version,
+                "outstanding": {str(k): v for k, v in self._outstanding.items() if v},
+                "reset_slots": self.reset_slots, "orphan_puts": self.orphan_puts}
 
     async def close(self) -> None:
         async with self._cond:
