@@ -8,6 +8,14 @@ Rewards get the data row and each completion's finish_reason (app/rewards.py), p
 penalty when grpo.dapo_overlong_buffer > 0. With grpo.dynamic_sampling, a group whose rewards are all equal
 (zero advantages: no learning signal) is not put in the buffer: its slot is released, so a new group is
 sampled in its place, and it is counted (`filtered_groups`, RunMetrics.log_filtered_group).
+
+Faults: a replica lost mid-group is retried by the router ingress, sample by sample, under the pinned
+version. If the call still fails with a lost-actor error (the ingress itself died, or the router ran out
+of retries), the whole group is retried through a fresh app handle (bounded, with backoff); when that
+fails too, the slot goes back to the buffer and the prompt is sampled again later. Retries are counted
+(`rollout_retries`, `rollout_failed_groups` on the metrics rows); a worker never dies of a lost replica.
+Workers are restartable actors (`start_workers`): a restarted worker first calls the buffer's
+`reset_worker`, which gives back the slots its previous incarnation held, so they are granted again.
 """
 from __future__ import annotations
 
@@ -25,6 +33,19 @@ def _reward_task(dotted: str, completion: str, row: dict, finish_reason: str | N
     from app.rewards import load_scorer
 
     return load_scorer(dotted)(completion, row, finish_reason)
+
+
+GROUP_RETRY_ATTEMPTS = 4  # whole-group attempts through a fresh handle when the ingress is lost
+GROUP_RETRY_BACKOFF_S = 1.0  # doubled per attempt, capped at 8 s
+GROUP_RETRY_DEADLINE_S = 300.0
+WORKER_MAX_RESTARTS = 3
+
+
+def _lost(e: BaseException) -> bool:
+    """A lost replica / ingress (actor death, unavailable replica), as opposed to an error raised on purpose."""
+    from serve_deployments.ingress import _replica_lost
+
+    return _replica_lost(e)
 
 
 @ray.remote(num_cpus=0)
@@ -47,7 +68,11 @@ class RolloutWorker:
         self._stop = False
         self.groups_done = 0
         self.filtered_groups = 0  # dynamic sampling: groups dropped for all-equal rewards
+        self.rollout_retries = 0  # whole-group retries after a lost ingress / replica
+        self.failed_groups = 0  # groups given up after those retries (their prompts come again)
         self._router = None
+        self._retry_rows: list[dict] = []  # prompts whose group failed: sampled again first
+        self._started = False
 
     def _router_handle(self):
         if self._router is None:
@@ -81,7 +106,7 @@ class RolloutWorker:
         prompt_ids = render_prompt(row, self.tokenizer, self.cfg.data)
         sampling = {"max_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p, "logprobs": True}
         t0 = time.perf_counter()
-        comps = await self._router_handle().generate_group.remote(prompt_ids, g.group_size, None, sampling)
+        comps = await self._generate_group(prompt_ids, g.group_size, sampling)
         gen_s = time.perf_counter() - t0
         versions = {c["version"] for c in comps}
         if len(versions) != 1:  # the router pins one version per group; anything else is a bug upstream
@@ -96,6 +121,35 @@ class RolloutWorker:
                    for c, r, a in zip(comps, rewards, adv)]
         return Group(samples=samples, version=version, prompt_id=row["id"], gen_seconds=gen_s,
                      gen_tokens=sum(len(c["token_ids"]) for c in comps))
+
+    async def _generate_group(self, prompt_ids: list[int], n: int, sampling: dict) -> list[dict]:
+        """The router's generate_group; on a lost ingress (or a replica loss the router could not absorb)
+        the whole group again through a fresh app handle, bounded. The group's version is whatever the
+        router pins for the attempt that succeeds: no sample of a failed attempt is kept."""
+        import logging
+
+        deadline = time.monotonic() + GROUP_RETRY_DEADLINE_S
+        for attempt in range(GROUP_RETRY_ATTEMPTS):
+            try:
+                return await self._router_handle().generate_group.remote(prompt_ids, n, None, sampling)
+            except Exception as e:
+                left = deadline - time.monotonic()
+                if not _lost(e) or attempt == GROUP_RETRY_ATTEMPTS - 1 or left <= 0:
+                    raise
+                self._router = None  # a fresh handle next time
+                self.rollout_retries = getattr(self, "rollout_retries", 0) + 1
+                self._count("rollout_retries", 1)
+                logging.getLogger("app.rollout_worker").warning(
+                    "worker %s: generate_group lost its replica/ingress (%s: %s); retry %d of %d",
+                    self.worker_id, type(e).__name__, (str(e).strip().splitlines() or [""])[-1][:200],
+                    attempt + 1, GROUP_RETRY_ATTEMPTS - 1)
+                await asyncio.sleep(min(GROUP_RETRY_BACKOFF_S * 2 ** attempt, 8.0, left))
+        raise AssertionError("unreachable")
+
+    def _count(self, key: str, n: int) -> None:
+        report = getattr(self.metrics, "add_count", None)
+        if report is not None:
+            report.remote(key, n)
 
     async def _check_served(self, comps: list[dict]) -> None:
         """Served-version proof: each completion's adapter digest must be the one the registry published
@@ -133,31 +187,65 @@ class RolloutWorker:
         to fill the engines' batches without an actor per group."""
         import asyncio
 
+        if self._tracked() and not getattr(self, "_started", False):
+            # First thing of every incarnation: slots a previous (dead) one held are granted again.
+            self._started = True
+            await self.buffer.reset_worker.remote(self.worker_id)
+            self._count("rollout_retries", 0)  # the 0 is visible on the rows
         await asyncio.gather(*(self._loop() for _ in range(self.cfg.rollout.groups_per_worker)))
         return self.groups_done
 
+    def _tracked(self) -> bool:
+        """Whether the buffer tracks slots per worker (the RolloutBuffer actor does)."""
+        try:
+            return hasattr(self.buffer, "reset_worker")
+        except Exception:
+            return False
+
+    def _slot_kw(self) -> dict:
+        return {"worker_id": self.worker_id} if self._tracked() else {}
+
+    def _next_row(self) -> dict:
+        retry = self.__dict__.setdefault("_retry_rows", [])
+        return retry.pop(0) if retry else next(self.stream)
+
     async def _loop(self) -> None:
+        kw = self._slot_kw()
         while not self._stop:
-            if not await self.buffer.acquire.remote():
+            if not await self.buffer.acquire.remote(**kw):
                 break  # buffer closed: training is over
             try:
-                row = next(self.stream)
+                row = self._next_row()
             except StopIteration:
-                await self.buffer.release.remote()
+                await self.buffer.release.remote(**kw)
                 break
             try:
                 group = await self.rollout_one(row)
-            except Exception:
-                await self.buffer.release.remote()
-                raise
+            except Exception as e:
+                await self.buffer.release.remote(**kw)
+                if not _lost(e):
+                    raise
+                # The service lost replicas/ingress beyond the retries: the slot is given back and the
+                # prompt sampled again later; the worker carries on (the driver's stall watch ends a
+                # run whose service never comes back).
+                import logging
+
+                self._retry_rows.append(row)
+                self.failed_groups = getattr(self, "failed_groups", 0) + 1
+                self._count("rollout_failed_groups", 1)
+                logging.getLogger("app.rollout_worker").warning(
+                    "worker %s: group for prompt %s failed after retries (%s); slot released, prompt requeued",
+                    self.worker_id, row.get("id"), type(e).__name__)
+                await asyncio.sleep(GROUP_RETRY_BACKOFF_S * 4)
+                continue
             if self.cfg.grpo.dynamic_sampling and len(set(group.rewards)) == 1:
                 # DAPO dynamic sampling: no learning signal; the freed slot makes a new group in its place
-                await self.buffer.release.remote()
+                await self.buffer.release.remote(**kw)
                 self.filtered_groups += 1
                 if self.metrics is not None:
                     self.metrics.log_filtered_group.remote(group.gen_tokens, group.gen_seconds)
                 continue
-            await self.buffer.put.remote(group)
+            await self.buffer.put.remote(group, **kw)
             self.groups_done += 1
             if self.metrics is not None:
                 self.metrics.log_rollout.remote(group.gen_tokens, group.gen_seconds, sum(group.rewards) / len(group.samples))
@@ -167,3 +255,14 @@ class RolloutWorker:
 
     def cursor(self) -> dict:
         return {"epoch": self.stream.cursor.epoch, "index": self.stream.cursor.index}
+
+
+def start_workers(cfg: Config, rows: list[dict], buffer, metrics=None) -> list:
+    """The run's rollout workers as restartable actors: a worker killed mid-run (OOM, node loss) is
+    restarted by Ray (`max_restarts`), its `run` call retried on the new incarnation
+    (`max_task_retries`), and the new incarnation gives its predecessor's slots back to the buffer
+    (`reset_worker`) before sampling, so they are granted again. The driver calls `w.run.remote()` on
+    each, as before; `ray.kill` (no_restart) still ends them at teardown."""
+    return [RolloutWorker.options(max_restarts=WORKER_MAX_RESTARTS, max_task_retries=-1).remote(
+                cfg.to_dict(), i, rows, buffer, metrics)
+            for i in range(cfg.rollout.workers)]

