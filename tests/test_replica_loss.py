@@ -109,6 +109,43 @@ def test_buffer_actor_tracks_workers(serve_env):
         ray.kill(b)
 
 
+def test_worker_retries_a_group_when_the_ingress_dies(monkeypatch):
+    """Router ingress loss: the whole group again through a fresh handle, counted; a refusal is not retried."""
+    import ray.exceptions as rex
+
+    from app import rollout_worker as rw
+
+    monkeypatch.setattr(rw, "GROUP_RETRY_BACKOFF_S", 0.01)
+    calls, counts = [], []
+
+    class _Call:
+        def __init__(self, fn):
+            self.remote = fn
+
+    class Router:
+        def __init__(self, fail: BaseException, times: int):
+            self.fail, self.times = fail, times
+            self.generate_group = _Call(self._gen)
+
+        async def _gen(self, ids, n, version, sampling):
+            calls.append(n)
+            if len(calls) <= self.times:
+                raise self.fail
+            return [{"version": 4}] * n
+
+    w = object.__new__(rw.RolloutWorker.__ray_actor_class__)
+    w.worker_id, w.metrics = 0, type("M", (), {"add_count": _Call(lambda k, n: counts.append((k, n)))})()
+    handles = iter([Router(rex.ActorDiedError(), 2)] * 5)
+    w._router_handle = lambda: next(handles)
+    assert asyncio.run(w._generate_group([1, 2], 3, {})) == [{"version": 4}] * 3
+    assert calls == [3, 3, 3] and w.rollout_retries == 2 and counts == [("rollout_retries", 1)] * 2
+    calls.clear()
+    w._router_handle = lambda: Router(ValueError("bad prompt"), 1)
+    with pytest.raises(ValueError):
+        asyncio.run(w._generate_group([1, 2], 3, {}))
+    assert calls == [3]
+
+
 # ---------------------------------------------------------------- (a) SIGKILL a replica mid-generation
 
 def _replicas(handle) -> list[dict]:
