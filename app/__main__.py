@@ -12,6 +12,7 @@ COMMANDS = {
     "tiny-model": "build the embedded tiny Qwen2 model (deterministic from a seed)",
     "validate": "load and validate a config (and its data and model) without starting anything",
     "bench": "run a benchmark from benchmarks/ (python -m app bench NAME [args])",
+    "eval": "score a model or a saved adapter on held-out prompts through the served policy (accuracy, pass@k)",
     "report": "regenerate a run's plots and print its summary (finished, failed or still running)",
 }
 
@@ -38,6 +39,9 @@ def cmd_train(argv: list[str]) -> int:
     p = _train_parser("python -m app train", COMMANDS["train"])
     p.add_argument("--serve", action="store_true", help="keep serving the final policy after training (Ctrl-C stops)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true",
+                   help="stream Ray, Serve, vLLM and DeepSpeed logs to the console (by default they go to "
+                        "RUN_DIR/logs/ and Ray's session log directory)")
     args = p.parse_args(argv)
     from common.config import ConfigError, load
 
@@ -49,7 +53,8 @@ def cmd_train(argv: list[str]) -> int:
             cfg.run.serve_after = True
         from app import driver
 
-        summary = driver.run(cfg, keep_serving=cfg.run.serve_after, progress=not args.no_progress)
+        summary = driver.run(cfg, keep_serving=cfg.run.serve_after, progress=not args.no_progress,
+                             verbose=args.verbose)
     except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -59,6 +64,13 @@ def cmd_train(argv: list[str]) -> int:
     print(f"done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s; reward "
           f"{summary['reward_first_quarter']:.3f} (first quarter) -> {summary['reward_last_quarter']:.3f} (last quarter); "
           f"adapter {summary['adapter_dir']}; run dir {cfg.run_dir}")
+    if "eval/accuracy" in summary:
+        print(f"eval: accuracy {summary['eval_first']:.3f} (step {summary['eval_first_step']}) -> "
+              f"{summary['eval/accuracy']:.3f} (step {summary['eval/step']}) on {summary['eval/samples']} held-out "
+              f"prompts of {cfg.eval.path}" + "".join(f", {k.removeprefix('eval/')} {v:.3f}" for k, v in summary.items()
+                                                   if k.startswith("eval/pass@")))
+    print(f"plots: {cfg.run_dir / 'reward_curve.png'}; logs: {cfg.run_dir / 'logs'}; "
+          f"python -m app report {cfg.run_dir}")
     if cfg.run.serve_after:
         import time
 
@@ -131,6 +143,12 @@ def cmd_bench(argv: list[str]) -> int:
     return 0
 
 
+def cmd_eval(argv: list[str]) -> int:
+    from app.evaluate import eval_main
+
+    return eval_main(argv)
+
+
 def cmd_report(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m app report", description=COMMANDS["report"])
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (run.out_dir/run.name, e.g. runs/tiny-cpu)")
@@ -154,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     fn = {"train": cmd_train, "serve": cmd_serve, "merge": cmd_merge, "tiny-model": cmd_tiny_model,
-          "validate": cmd_validate, "bench": cmd_bench, "report": cmd_report}.get(cmd)
+          "validate": cmd_validate, "bench": cmd_bench, "report": cmd_report,
+          "eval": cmd_eval}.get(cmd)
     if fn is None:
         print(f"unknown command {cmd!r}\n\n{_top_help()}", file=sys.stderr)
         return 2

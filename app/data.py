@@ -45,6 +45,40 @@ def letters_task(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+# `builtin:letters-heldout` never asks what the first HELDOUT_EXCLUDE prompts of `builtin:letters` (same
+# data.shuffle_seed) ask, so it stays disjoint from the training prompts for any data.builtin_size up to it.
+HELDOUT_EXCLUDE = 4096
+_HELDOUT_SEED_BASE = 1_000_000  # held-out prompts come from another seed range than the training ones
+
+
+def letters_key(prompt: str) -> tuple[str, frozenset]:
+    """What a letters prompt asks: its target and its set of distractors ("K, not Q or Z" = "K, not Z or Q")."""
+    m = re.fullmatch(r"Say the letter ([A-Z]), not ([A-Z]) or ([A-Z])\.", prompt)
+    if m is None:
+        raise ValueError(f"not a letters prompt: {prompt!r}")
+    return m.group(1), frozenset(m.group(2, 3))
+
+
+def letters_heldout(n: int, seed: int = 0, exclude: int = HELDOUT_EXCLUDE) -> list[dict]:
+    """n letters prompts, none asking what one of `letters_task(exclude, seed)` asks (nor each other),
+    drawn from another seed range; ids `letters-heldout-{i}`."""
+    taken = {letters_key(r["prompt"]) for r in letters_task(exclude, seed)}
+    space = 26 * 25 * 24 // 2  # (target, {two distractors})
+    if n > space - len(taken):
+        raise DataError(f"eval: builtin:letters-heldout has {space - len(taken)} prompts, {n} asked for")
+    rng = random.Random(_HELDOUT_SEED_BASE + seed)
+    rows: list[dict] = []
+    while len(rows) < n:
+        target, *others = rng.sample(string.ascii_uppercase, 3)
+        prompt = f"Say the letter {target}, not {others[0]} or {others[1]}."
+        key = letters_key(prompt)
+        if key in taken:
+            continue
+        taken.add(key)
+        rows.append({"id": f"letters-heldout-{len(rows)}", "prompt": prompt, "answer": target})
+    return rows
+
+
 def _read_arrow(path: Path):
     """An Arrow IPC file: the streaming format `datasets` writes, or the random-access file format."""
     import pyarrow as pa
@@ -220,8 +254,10 @@ def load_prompts_with_report(cfg: DataConfig) -> PromptLoad:
     key, split, column or row at fault."""
     if cfg.path.startswith("builtin:"):
         task = cfg.path.split(":", 1)[1]
+        if task == "letters-heldout":  # evaluation prompts (eval.path), disjoint from builtin:letters
+            return PromptLoad(letters_heldout(cfg.builtin_size, cfg.shuffle_seed), source=cfg.path)
         if task != "letters":
-            raise DataError(f"data.path: unknown builtin task {task!r} (known: letters)")
+            raise DataError(f"data.path: unknown builtin task {task!r} (known: letters, letters-heldout)")
         return PromptLoad(letters_task(cfg.builtin_size, cfg.shuffle_seed), source=cfg.path)
     table, source = _resolve(cfg)
     cols = table.names

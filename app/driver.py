@@ -49,16 +49,125 @@ def _check_targets(cfg: Config) -> None:
     check_target_modules(model, cfg.lora.target_modules)
 
 
-def _init_ray(cfg: Config) -> None:
+# Loggers of the engines in this (driver) process; quiet on the console unless --verbose, always in
+# RUN_DIR/logs/driver.log.
+ENGINE_LOGGERS = ("ray", "ray.serve", "ray.train", "ray.tune", "ray.data", "vllm", "DeepSpeed", "deepspeed",
+                  "transformers", "torch", "filelock", "urllib3", "httpx")
+
+
+def _init_ray(cfg: Config, verbose: bool = False) -> None:
+    """Quiet by default, through Ray's own switches: workers' stdout/stderr stay in Ray's session log
+    files (log_to_driver=False), worker-side Ray logging at WARNING (LoggingConfig), the driver's Ray
+    logger at WARNING; vLLM and DeepSpeed levels travel in the job's env. --verbose streams everything."""
     import ray
 
     if ray.is_initialized():
         return
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
+    level = "INFO" if verbose else "WARNING"
     env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            # Ray Train gives a worker group 60 s to start; a loaded 2-core machine can need more.
-           "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600")}
-    ray.init(address=address or None, log_to_driver=True, runtime_env={"env_vars": env})
+           "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600"),
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", level),
+           "DS_LOG_LEVEL": os.environ.get("DS_LOG_LEVEL", level.lower()),
+           "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "info" if verbose else "error"),
+           "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "default" if verbose else "ignore")}
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", env["VLLM_LOGGING_LEVEL"])  # read by engine_env for replicas
+    ray.init(address=address or None, log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING,
+             logging_config=ray.LoggingConfig(encoding="TEXT", log_level=level), runtime_env={"env_vars": env})
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Console log lines written above the progress bar (tqdm.write), so the bar stays one line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
+class _QuietFilter(logging.Filter):
+    """On the console: this project's INFO lines; other libraries' only at ERROR (their INFO and WARNING
+    lines are in RUN_DIR/logs/driver.log)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ours = record.name in ("app", "__main__") or record.name.startswith(("app.", "common", "train_loops",
+                                                                               "serve_deployments"))
+        return record.levelno >= (logging.INFO if ours else logging.ERROR)
+
+
+class Console:
+    """The run's console and log files: console lines go through tqdm (above the bar), filtered unless
+    verbose; RUN_DIR/logs/driver.log gets every record of this process (INFO and up, engines included).
+    `close()` restores the logging setup it found and links Ray's session logs into RUN_DIR/logs/ray."""
+
+    def __init__(self, logs_dir: Path | None, verbose: bool = False):
+        import sys
+        import warnings
+
+        self.verbose, self.logs_dir = verbose, logs_dir
+        root = logging.getLogger()
+        self._saved = (root.level, list(root.handlers), {n: (logging.getLogger(n).level, logging.getLogger(n).propagate)
+                                                          for n in ENGINE_LOGGERS})
+        fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+        console = _TqdmHandler(sys.stderr)
+        console.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S") if not verbose else fmt)
+        if not verbose:
+            console.addFilter(_QuietFilter())
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            warnings.filterwarnings("ignore", category=FutureWarning)
+        self._fmt, self.file = fmt, None
+        root.handlers = [console]
+        root.setLevel(logging.INFO)
+        if logs_dir is not None:
+            self.attach_file(logs_dir)
+        for n in ENGINE_LOGGERS:  # one path for every record: the root's handlers
+            lg = logging.getLogger(n)
+            lg.handlers, lg.propagate = [h for h in lg.handlers if not isinstance(h, logging.StreamHandler)], True
+            lg.setLevel(logging.INFO if verbose or n.startswith("ray") else logging.WARNING)
+
+    def attach_file(self, logs_dir: Path) -> None:
+        """Every record of this process (INFO and up, engines included) also goes to logs_dir/driver.log."""
+        self.logs_dir = logs_dir
+        logs_dir.mkdir(parents=True, exist_ok=True)
+        self.file = logging.FileHandler(logs_dir / "driver.log")
+        self.file.setFormatter(self._fmt)
+        logging.getLogger().addHandler(self.file)
+        logging.captureWarnings(True)
+
+    def adopt_ray_loggers(self) -> None:
+        """ray.init (re)installs stream handlers on Ray's loggers: route them through ours again."""
+        for n in ENGINE_LOGGERS:
+            lg = logging.getLogger(n)
+            if n.startswith("ray"):
+                lg.handlers = [h for h in lg.handlers if not isinstance(h, logging.StreamHandler)
+                               or isinstance(h, logging.FileHandler)]
+                lg.propagate = True
+                lg.setLevel(logging.INFO)
+
+    def close(self) -> None:
+        import contextlib
+
+        if self.logs_dir is not None:
+            with contextlib.suppress(Exception):
+                import ray
+
+                src = Path(ray._private.worker._global_node.get_logs_dir_path())  # this session's logs
+                link = self.logs_dir / "ray"
+                if src.is_dir() and not link.exists():
+                    link.symlink_to(src, target_is_directory=True)
+            with contextlib.suppress(Exception):
+                self.file.close()
+            logging.captureWarnings(False)
+        root = logging.getLogger()
+        level, handlers, loggers = self._saved
+        root.handlers, root.level = handlers, level
+        for n, (lv, prop) in loggers.items():
+            logging.getLogger(n).setLevel(lv)
+            logging.getLogger(n).propagate = prop
 
 
 class StallError(RuntimeError):
@@ -69,16 +178,22 @@ class _Progress:
     """tqdm over optimizer steps, fed from the RunMetrics actor; also polls router stats into it and
     watches for a stall (no step and no generation for `run.stall_timeout_s`)."""
 
-    def __init__(self, cfg: Config, metrics, router, buffer, registry, enabled: bool):
+    def __init__(self, cfg: Config, metrics, router, buffer, registry, enabled: bool, evals=None):
         from tqdm import tqdm
 
         self.metrics, self.router, self.buffer, self.registry = metrics, router, buffer, registry
+        self.evals = evals
         self.stall_timeout = cfg.run.stall_timeout_s
+        self.log_every = cfg.run.log_every
         self._last_progress = self._last_note = time.monotonic()
         self._last_put = -1
-        self.bar = tqdm(total=cfg.train.total_steps, desc=f"GRPO {cfg.run.name}", unit="step", disable=not enabled)
+        self.bar = tqdm(total=cfg.train.total_steps, desc=f"GRPO {cfg.run.name}", unit="step", disable=not enabled,
+                        dynamic_ncols=True, mininterval=1.0)
         self.rows: list[dict] = []
         self._last_stats = 0.0
+        self._sync_s: float | None = None
+        self._replicas: set | None = None
+        self._warned: dict = {}
 
     def poll(self) -> None:
         import ray
@@ -90,16 +205,69 @@ class _Progress:
             self._watch()
         for r in new:
             self.rows.append(r)
+            if isinstance(r.get("publish_seconds"), (int, float)):
+                self._sync_s = r["publish_seconds"]
             self.bar.update(1)
-            self.bar.set_postfix(reward=f"{r.get('reward_mean', float('nan')):.3f}", ver=r.get("version", 0),
-                                 stale=r.get("staleness_mean", 0))
+            self.bar.set_postfix_str(
+                f"reward={r.get('reward_mean', float('nan')):.3f} ver={r.get('version', 0)} "
+                f"stale={r.get('staleness_mean', 0):.2f} tok/s={r.get('gen_tokens_per_s', 0):.0f} "
+                f"sync={'-' if self._sync_s is None else f'{1e3 * self._sync_s:.0f}ms'}", refresh=False)
+            self._warn_counts(r)
+            if self.evals is not None:
+                self.evals.on_step(r)
+            if r["step"] % self.log_every == 0:
+                logger.info(self.summary_line(r))
+        if self.evals is not None:
+            self.evals.poll()
         if time.monotonic() - self._last_stats > 5.0:
             self._last_stats = time.monotonic()
             try:
                 s = self.router.stats.remote().result(timeout_s=10)
                 ray.get(self.metrics.set_extra.remote(router_metrics(s)))
+                self._watch_replicas(s)
             except Exception as e:  # stats are advisory; never stop training for them
                 logger.debug("router stats failed: %s", e)
+
+    def summary_line(self, r: dict) -> str:
+        """One line per run.log_every steps: the last log_every steps' reward, the latest eval, staleness,
+        dropped samples, throughput and sync latency."""
+        last = self.rows[-self.log_every:]
+        rew = [x["reward_mean"] for x in last if isinstance(x.get("reward_mean"), (int, float))]
+        tps = [x["gen_tokens_per_s"] for x in last if isinstance(x.get("gen_tokens_per_s"), (int, float))]
+        pub = [x["publish_seconds"] for x in last if isinstance(x.get("publish_seconds"), (int, float))]
+        parts = [f"step {r['step']}/{self.bar.total}", f"reward {sum(rew) / len(rew):.3f}" if rew else "reward -"]
+        ev = self.evals.latest if self.evals is not None else None
+        if ev:
+            parts.append(f"eval acc {ev['eval/accuracy']:.3f} (v{ev['eval/version']})")
+        parts += [f"version {r.get('version', 0)}", f"staleness {r.get('staleness_mean', 0):.2f}",
+                  f"dropped {r.get('dropped_samples', 0)}",
+                  f"gen {sum(tps) / len(tps):.0f} tok/s" if tps else "gen - tok/s",
+                  f"sync {1e3 * sorted(pub)[len(pub) // 2]:.0f} ms" if pub else "sync -"]
+        return " | ".join(parts)
+
+    def _warn_counts(self, r: dict) -> None:
+        """Counters that need a human the first time they move (then they ride on the summary lines)."""
+        for key, what in (("dropped_samples", "samples dropped as too stale (sync.max_staleness)"),
+                          ("rollout_failed_groups", "rollout groups failed after retries (replicas lost?)"),
+                          ("rollout_retries", "rollout groups retried after a lost replica/ingress"),
+                          ("version_mismatches", "served-version mismatches: samples from the wrong weights")):
+            v = r.get(key)
+            if isinstance(v, (int, float)) and v > self._warned.get(key, 0) and (
+                    key not in self._warned or v >= 2 * self._warned[key]):
+                logger.warning("step %d: %s %s so far", r["step"], int(v), what)
+                self._warned[key] = v
+
+    def _watch_replicas(self, stats: dict) -> None:
+        """A replica that disappears or is replaced (Serve restarted it) is worth a line."""
+        ids = {str(x.get("replica_id")) for x in stats.get("replicas", [])}
+        if self._replicas is not None and ids != self._replicas:
+            gone, new = sorted(self._replicas - ids), sorted(ids - self._replicas)
+            logger.warning("replicas changed: %s%s", f"lost {gone} " if gone else "", f"new {new}" if new else "")
+        errs = stats.get("replica_errors") or []
+        if errs and errs != self._warned.get("replica_errors"):
+            logger.warning("replicas not answering: %s", errs[:2])
+        self._warned["replica_errors"] = errs
+        self._replicas = ids
 
     def _watch(self) -> None:
         """No new step: generation that still moves (groups arriving, requests in flight) is progress;
@@ -116,7 +284,8 @@ class _Progress:
             self._last_put = buf["put_groups"]
             self._last_progress = now
         waited = now - self._last_progress
-        logger.info("waiting for step %d: buffer %s, %s requests in flight", len(self.rows) + 1, buf, ongoing)
+        (logger.warning if waited >= self.stall_timeout / 2 else logger.debug)(
+            "waiting for step %d: buffer %s, %s requests in flight", len(self.rows) + 1, buf, ongoing)
         if waited >= self.stall_timeout:
             raise StallError(
                 f"stalled: no step and no generation for {waited:.0f}s (run.stall_timeout_s) while waiting for step "
@@ -142,6 +311,71 @@ class _Progress:
         self.bar.close()
 
 
+class _Evals:
+    """Evaluation beside training: an Evaluator actor (app/evaluate.py) scores the version just published
+    every `eval.every` steps (and the base model before step 1, the final version after the last step).
+    Kicked and collected from the driver loop without waiting; while one eval runs, a due one is skipped.
+    Results go to RunMetrics.log_eval (the next step row carries them)."""
+
+    def __init__(self, cfg: Config, rows: list[dict], metrics):
+        from app.evaluate import Evaluator
+
+        self.every, self.metrics = cfg.eval.every, metrics
+        self.actor = Evaluator.remote(cfg.to_dict(), rows)
+        self.pending = None  # (ref, step)
+        self.results: list[dict] = []
+        self.latest: dict | None = None
+        self.last_step = -1
+        self._failed = 0
+
+    def kick(self, step: int, version: int | None) -> bool:
+        if self.pending is not None:
+            return False
+        self.pending = (self.actor.run.remote(version, step), step)
+        self.last_step = step
+        return True
+
+    def on_step(self, row: dict) -> None:
+        if row["step"] % self.every == 0:
+            self.kick(row["step"], row.get("version"))
+
+    def poll(self, timeout: float = 0) -> None:
+        import ray
+
+        if self.pending is None:
+            return
+        ref, step = self.pending
+        done, _ = ray.wait([ref], timeout=timeout)
+        if not done:
+            return
+        self.pending = None
+        try:
+            res = ray.get(ref)
+        except Exception as e:  # evaluation is advisory: a failed one is reported, training goes on
+            self._failed += 1
+            logger.warning("eval at step %d failed: %s", step, (str(e).strip().splitlines() or [""])[-1][:200])
+            return
+        self.results.append(res)
+        self.latest = res
+        ray.get(self.metrics.log_eval.remote(step, res))
+
+    def finish(self, final_step: int, version: int | None, timeout: float = 300.0) -> None:
+        """After the last step: wait for a running eval, then score the final version (unless done)."""
+        self.poll(timeout)
+        if self.last_step != final_step and self.kick(final_step, version):
+            self.poll(timeout)
+        if self.pending is not None:
+            logger.warning("eval at step %d did not finish in %.0fs; left out", self.pending[1], timeout)
+
+    def summary(self) -> dict:
+        out: dict = {"eval_history": [{k: v for k, v in r.items() if k != "eval/seconds"} for r in self.results]}
+        if self.results:
+            first, last = self.results[0], self.results[-1]
+            out.update({"eval_first": first["eval/accuracy"], "eval_first_step": first["eval/step"],
+                        **{k: v for k, v in last.items() if k.startswith("eval/")}})
+        return out
+
+
 def router_metrics(stats: dict) -> dict:
     """Flatten the router's stats into the numbers a step row carries."""
     hits, queries = stats.get("prefix_cache_hits", 0), stats.get("prefix_cache_queries", 0)
@@ -154,8 +388,31 @@ def router_metrics(stats: dict) -> dict:
 
 
 def run(cfg: Config, *, keep_serving: bool = False, progress: bool = True,
-        extra_loop_cfg: dict | None = None) -> dict:
-    """One training run; returns the summary. With keep_serving the Serve app stays up afterwards."""
+        extra_loop_cfg: dict | None = None, verbose: bool = False) -> dict:
+    """One training run; returns the summary. With keep_serving the Serve app stays up afterwards.
+    The console is quiet unless verbose (see Console); RUN_DIR/logs/ holds the engines' logs."""
+    console = Console(None, verbose)
+    try:
+        return _run(cfg, console, keep_serving=keep_serving, progress=progress, extra_loop_cfg=extra_loop_cfg,
+                    verbose=verbose)
+    finally:
+        console.close()
+
+
+def _start_serve(cfg: Config, verbose: bool) -> None:
+    """Serve's controller and proxy log to RUN_DIR/logs/serve (Serve's LoggingConfig), WARNING and up unless
+    verbose; a Serve instance already running keeps its own settings."""
+    from ray import serve
+    from ray.serve.schema import LoggingConfig
+
+    serve.start(http_options={"host": "0.0.0.0", "port": cfg.rollout.http_port},
+                logging_config=LoggingConfig(log_level="INFO" if verbose else "WARNING",
+                                             logs_dir=str(cfg.run_dir / "logs" / "serve"),
+                                             enable_access_log=verbose))
+
+
+def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, extra_loop_cfg: dict | None,
+         verbose: bool) -> dict:
     import ray
     from ray import serve
 
@@ -176,8 +433,22 @@ def run(cfg: Config, *, keep_serving: bool = False, progress: bool = True,
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    console.attach_file(run_dir / "logs")
+    eval_rows_ = None
+    if cfg.eval.path:
+        from app.evaluate import eval_rows
+
+        eval_rows_ = eval_rows(cfg)
     t0 = time.time()
-    _init_ray(cfg)
+    _init_ray(cfg, verbose)
+    console.adopt_ray_loggers()
+    import ray as _ray
+
+    logger.info("ray: %s, %s CPUs%s; engine logs in %s", "joined " + str(cfg.run.ray_address or os.environ.get(
+        "RAY_ADDRESS")) if (cfg.run.ray_address or os.environ.get("RAY_ADDRESS")) else "local cluster",
+        int(_ray.cluster_resources().get("CPU", 0)),
+        f", {int(_ray.cluster_resources().get('GPU', 0))} GPUs" if _ray.cluster_resources().get("GPU") else "",
+        run_dir / "logs")
     _check_fits(cfg)
 
     registry = get_or_create_registry(keep=cfg.sync.max_staleness + 1)
@@ -186,20 +457,32 @@ def run(cfg: Config, *, keep_serving: bool = False, progress: bool = True,
     buffer = RolloutBuffer.options(name=BUFFER_NAME, namespace=NAMESPACE).remote(
         cfg.sync.max_staleness, cfg.grpo.prompts_per_step, lead=0 if cfg.run.mode == "sync" else None)
     workers: list = []
+    evals = None
     keep, status = False, "FAILED"
     try:
+        _start_serve(cfg, verbose)
         router = start_service(cfg, registry=registry)
         wait_healthy(router)
-        logger.info("rollout service up: %d replicas (%.1fs)", cfg.rollout.replicas, time.time() - t0)
+        logger.info("service: app %r, %d vLLM replicas behind the %s router, http://127.0.0.1:%d/v1 (%.0fs)",
+                    cfg.rollout.app_name, cfg.rollout.replicas, cfg.router.policy, cfg.rollout.http_port,
+                    time.time() - t0)
 
         workers = [RolloutWorker.remote(cfg.to_dict(), i, rows, buffer, metrics) for i in range(cfg.rollout.workers)]
         worker_runs = [w.run.remote() for w in workers]
+        if eval_rows_:
+            evals = _Evals(cfg, eval_rows_, metrics)
+            evals.kick(0, None)  # the starting policy, beside the first rollouts
         trainer = build_trainer(cfg, run_dir, resume_from=cfg.checkpoint.resume_from, extra_loop_cfg=extra_loop_cfg)
+        logger.info("trainer: %d %s workers (DeepSpeed ZeRO-%d), %s mode, %d rollout workers, %d steps%s",
+                    cfg.train.num_workers, "GPU" if cfg.train.use_gpu else "CPU", cfg.train.zero_stage, cfg.run.mode,
+                    cfg.rollout.workers, cfg.train.total_steps,
+                    f"; eval on {len(eval_rows_)} prompts of {cfg.eval.path} every {cfg.eval.every} steps"
+                    if eval_rows_ else "")
 
         outcome: dict = {}
         fit = threading.Thread(target=lambda: outcome.update(result=_fit(trainer)), daemon=True)
         fit.start()
-        prog = _Progress(cfg, metrics, router, buffer, registry, progress)
+        prog = _Progress(cfg, metrics, router, buffer, registry, progress, evals)
         try:
             while fit.is_alive():
                 fit.join(timeout=1.0)
@@ -209,6 +492,9 @@ def run(cfg: Config, *, keep_serving: bool = False, progress: bool = True,
         finally:
             prog.close()
             ray.get(buffer.close.remote())
+        if evals is not None and prog.rows and not isinstance(outcome.get("result"), BaseException):
+            evals.finish(prog.rows[-1]["step"], prog.rows[-1].get("version"))
+            ray.get(metrics.flush_eval.remote())
         result = outcome.get("result")
         if isinstance(result, BaseException):
             raise result
@@ -226,6 +512,7 @@ def run(cfg: Config, *, keep_serving: bool = False, progress: bool = True,
             "checkpoint": result.checkpoint.path if result.checkpoint else None,
             "registry_live_versions": ray.get(registry.live_versions.remote()),
             "buffer": ray.get(buffer.stats.remote()),
+            **(evals.summary() if evals is not None else {}),
         })
         write_summary(run_dir, summary)
         plot_rewards(train_rows, run_dir / "reward_curve.png", title=f"{cfg.run.name} ({cfg.run.mode})")
@@ -239,7 +526,7 @@ def run(cfg: Config, *, keep_serving: bool = False, progress: bool = True,
             logger.warning("metrics close failed: %s", e)
         # Success, failure or interrupt: this run's actors end with it (their names free for the next
         # run in the same cluster), and so does its service unless it is kept to serve the policy.
-        for actor in [*workers, buffer, metrics]:
+        for actor in [*workers, buffer, metrics, *([evals.actor] if evals is not None else [])]:
             _kill(actor)
         if keep:
             _SERVING[cfg.rollout.app_name] = registry  # a named actor dies with its last handle

@@ -62,11 +62,42 @@ class RunMetrics:
         """Values the driver polls (router and engine stats), attached to the following rows."""
         self._extra.update(values)
 
+    def log_eval(self, step: int, values: dict) -> None:
+        """An evaluation's `eval/*` metrics (app/evaluate.py) for `step`: attached to the next step row only
+        (with eval/step, the step it scored), not to every following one; `flush_eval` puts a result that
+        no later row will carry on the last row."""
+        self._eval = {**{k: v for k, v in values.items() if k.startswith("eval/")}, "eval/step": int(step)}
+        for k, v in self._eval.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self._gauge(k).set(float(v), tags={"run": self.run_name})
+
+    def flush_eval(self) -> None:
+        """A pending eval result (the final step's) joins the last row: in memory, as metrics.jsonl's last
+        line (rewritten in place) and in the trackers at that row's step."""
+        pending = getattr(self, "_eval", None)
+        if not pending or not self.rows:
+            return
+        self._eval = None
+        row = self.rows[-1]
+        row.update(pending)
+        lines = self.path.read_text().splitlines() if self.path.is_file() else []
+        if lines:
+            import json
+
+            lines[-1] = json.dumps(row, default=float)
+            self.path.write_text("\n".join(lines) + "\n")
+        for lg in self.loggers[1:]:
+            try:
+                lg.log(row["step"], pending)
+            except Exception as e:
+                logger.warning("%s failed at step %d: %s", type(lg).__name__, row["step"], e)
+
     def log_train(self, step: int, metrics: dict) -> None:
         """One row per optimizer step (from the trainer's rank 0)."""
         now = time.time()
         gen = self._gen
-        row = {"step": int(step), "time": now, **metrics, **self._extra,
+        ev, self._eval = getattr(self, "_eval", None) or {}, None
+        row = {"step": int(step), "time": now, **metrics, **self._extra, **ev,
                "gen_groups": gen["groups"], "gen_seconds_sum": gen["seconds"],
                # wall-clock rate: generation runs concurrently across workers and replicas
                "gen_tokens_per_s": gen["tokens"] / max(1e-9, now - self._t_last)}

@@ -209,6 +209,21 @@ class RunConfig:
     mlflow_tracking_uri: str | None = _f(None, "MLflow tracking URI (e.g. http://host:5000); null = the file store "
                                                "RUN_DIR/mlruns.")
     tracking_project: str = _f("lora-grpo", "MLflow experiment / W&B project the run is logged under.")
+    log_every: int = _f(10, "Print one summary line (reward, eval, staleness, tokens/s, sync latency) every N steps "
+                            "on the console; Ray, Serve, vLLM and DeepSpeed logs go to RUN_DIR/logs/ "
+                            "(`train --verbose` streams them).")
+
+
+@dataclass
+class EvalConfig:
+    path: str | None = _f(None, "Held-out prompts scored during training through the served policy: a file or "
+                                "directory like data.path (same columns and reward), or `builtin:letters-heldout` "
+                                "(letters prompts disjoint from `builtin:letters`); null = no evaluation.")
+    every: int = _f(10, "Evaluate the version just published every N optimizer steps (also before step 1 and "
+                        "after the last step); runs beside the rollouts, never stalls training.")
+    samples: int = _f(64, "Eval prompts (the first N of eval.path).")
+    pass_k: int = _f(1, "1 = pass@1, greedy (eval/accuracy); k > 1 also samples k completions per prompt at "
+                        "grpo.temperature and reports eval/pass@k (any of the k correct).")
 
 
 @dataclass
@@ -224,6 +239,7 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     # Derived values live here, computed from fields, never stored twice.
     @property
@@ -492,6 +508,14 @@ def validate(cfg: Config) -> None:
              f"run.loggers: {name} needs the `{mods[0] if mods else name}` package, which is not installed: "
              f"pip install -e '.[{extra}]' (or pip install {mods[0] if mods else name})")
     need(bool(cfg.run.tracking_project), "run.tracking_project: must be a non-empty name")
+    need(cfg.run.log_every >= 1, f"run.log_every: must be >= 1, got {cfg.run.log_every}")
+    need(cfg.eval.every >= 1, f"eval.every: must be >= 1, got {cfg.eval.every}")
+    need(cfg.eval.samples >= 1, f"eval.samples: must be >= 1, got {cfg.eval.samples}")
+    need(cfg.eval.pass_k >= 1, f"eval.pass_k: must be >= 1, got {cfg.eval.pass_k}")
+    need(cfg.eval.path is None or bool(cfg.eval.path.strip()), "eval.path: must be null or a path")
+    need(cfg.eval.path != "builtin:letters-heldout" or cfg.data.builtin_size <= 4096,
+         f"eval.path: builtin:letters-heldout is disjoint from the first 4096 builtin:letters prompts only; "
+         f"data.builtin_size is {cfg.data.builtin_size}")
     need(bool(cfg.run.name) and "/" not in cfg.run.name, "run.name: must be a non-empty name without '/'")
     if p:
         raise ConfigError(p)

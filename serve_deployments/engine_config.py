@@ -5,6 +5,8 @@ actor's environment (Ray `runtime_env`), because the engine-core process vLLM sp
 """
 from __future__ import annotations
 
+import os
+
 from common.config import Config
 from common.placement import replica_resources
 
@@ -19,6 +21,9 @@ def engine_env(cfg: Config) -> dict[str, str]:
         # Models are built from local dirs; never try the hub from inside an actor.
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        # vLLM's own log level: WARNING unless the driver runs --verbose (it sets the variable). The
+        # replica's output lands in Ray's log files (and RUN_DIR/logs/ray), not on the console.
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
     }
     if cfg.rollout.gpus_per_replica <= 0:
         env.update({
