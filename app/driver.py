@@ -73,7 +73,7 @@ def _init_ray(cfg: Config, verbose: bool = False) -> None:
            "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "info" if verbose else "error"),
            "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "default" if verbose else "ignore")}
     os.environ.setdefault("VLLM_LOGGING_LEVEL", env["VLLM_LOGGING_LEVEL"])  # read by engine_env for replicas
-    ray.init(address=address or None, log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING,
+    ray.init(address=address or None, log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.ERROR,
              logging_config=ray.LoggingConfig(encoding="TEXT", log_level=level), runtime_env={"env_vars": env})
 
 
@@ -119,15 +119,29 @@ class Console:
             console.addFilter(_QuietFilter())
             warnings.filterwarnings("ignore", category=DeprecationWarning)
             warnings.filterwarnings("ignore", category=FutureWarning)
-        self._fmt, self.file = fmt, None
+        self._fmt, self.file, self.console = fmt, None, console
+        import ray  # noqa: F401  (installs Ray's own console handlers now, so they can be taken over below)
+
+        # Ray's own records stop at the "ray" logger (ray.init puts its LoggingConfig handler on the root):
+        # console at ERROR unless verbose, driver.log at INFO.
+        self.ray_console = _TqdmHandler(sys.stderr)
+        self.ray_console.setFormatter(fmt)
+        self.ray_console.setLevel(logging.INFO if verbose else logging.ERROR)
         root.handlers = [console]
         root.setLevel(logging.INFO)
-        if logs_dir is not None:
-            self.attach_file(logs_dir)
-        for n in ENGINE_LOGGERS:  # one path for every record: the root's handlers
+        for n in ENGINE_LOGGERS:  # one path for every record: the root's handlers (Ray's: the "ray" logger's)
             lg = logging.getLogger(n)
             lg.handlers, lg.propagate = [h for h in lg.handlers if not isinstance(h, logging.StreamHandler)], True
             lg.setLevel(logging.INFO if verbose or n.startswith("ray") else logging.WARNING)
+        self._route_ray()
+        if logs_dir is not None:
+            self.attach_file(logs_dir)
+
+    def _route_ray(self) -> None:
+        lg = logging.getLogger("ray")
+        lg.handlers = [h for h in (self.ray_console, self.file) if h is not None]
+        lg.propagate = False
+        lg.setLevel(logging.INFO)
 
     def attach_file(self, logs_dir: Path) -> None:
         """Every record of this process (INFO and up, engines included) also goes to logs_dir/driver.log."""
@@ -136,17 +150,21 @@ class Console:
         self.file = logging.FileHandler(logs_dir / "driver.log")
         self.file.setFormatter(self._fmt)
         logging.getLogger().addHandler(self.file)
+        self._route_ray()
         logging.captureWarnings(True)
 
     def adopt_ray_loggers(self) -> None:
-        """ray.init (re)installs stream handlers on Ray's loggers: route them through ours again."""
+        """ray.init (its LoggingConfig) reconfigures the root logger and Ray's loggers: ours again."""
+        root = logging.getLogger()
+        root.handlers = [self.console] + ([self.file] if self.file is not None else [])
+        root.setLevel(logging.INFO)
         for n in ENGINE_LOGGERS:
             lg = logging.getLogger(n)
-            if n.startswith("ray"):
-                lg.handlers = [h for h in lg.handlers if not isinstance(h, logging.StreamHandler)
-                               or isinstance(h, logging.FileHandler)]
+            if n.startswith("ray."):
+                lg.handlers = [h for h in lg.handlers if not isinstance(h, logging.StreamHandler)]
                 lg.propagate = True
                 lg.setLevel(logging.INFO)
+        self._route_ray()
 
     def close(self) -> None:
         import contextlib
@@ -165,9 +183,9 @@ class Console:
         root = logging.getLogger()
         level, handlers, loggers = self._saved
         root.handlers, root.level = handlers, level
-        for n, (lv, prop) in loggers.items():
-            logging.getLogger(n).setLevel(lv)
+        for n, (_, prop) in loggers.items():  # levels stay as set: atexit hooks (torch) log after this
             logging.getLogger(n).propagate = prop
+        logging.getLogger("ray").handlers = [self.ray_console]
 
 
 class StallError(RuntimeError):
