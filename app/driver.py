@@ -439,7 +439,7 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, e
     from app.metrics import METRICS_NAME, RunMetrics
     from app.registry import NAMESPACE, get_or_create_registry
     from app.report import plot_rewards, summarize, write_summary
-    from app.rollout_worker import RolloutWorker
+    from app.rollout_worker import start_workers
     from serve_deployments.app_builder import start_service, wait_healthy
     from train_loops.trainer import build_trainer
 
@@ -485,7 +485,7 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, e
                     cfg.rollout.app_name, cfg.rollout.replicas, cfg.router.policy, cfg.rollout.http_port,
                     time.time() - t0)
 
-        workers = [RolloutWorker.remote(cfg.to_dict(), i, rows, buffer, metrics) for i in range(cfg.rollout.workers)]
+        workers = start_workers(cfg, rows, buffer, metrics)  # restartable; a restart frees its slots
         worker_runs = [w.run.remote() for w in workers]
         if eval_rows_:
             evals = _Evals(cfg, eval_rows_, metrics)
