@@ -128,7 +128,8 @@ def _panels(rows: list[dict], workers: int | None) -> list[tuple[str, str, list[
         ("reward and eval", "reward / score", reward),
         ("KL and trainer/vLLM log ratio", "per token", [s("kl"), s("log_ratio_abs_mean")]),
         ("staleness and dropped samples", "versions / samples",
-         [s("staleness_mean"), s("staleness_max", "--"), ("dropped_samples (run total)", _series(rows, "dropped_samples"), ":")]),
+         [s("staleness_mean"), s("staleness_max", "--"),
+          ("dropped_samples (run total)", _series(rows, "dropped_samples"), ":")]),
         ("sync latency", "seconds", [s("publish_seconds", ".-")]),
         ("throughput", "tokens / s", [s("train_tokens_per_s"), s("gen_tokens_per_s")]),
         ("idle fractions", "fraction of time",
@@ -214,7 +215,8 @@ def report_text(run_dir: Path, rows: list[dict], bad_lines: int, summary: dict |
         mtime = (run_dir / "metrics.jsonl").stat().st_mtime
         age = time.time() - mtime
         state = ("not finished, probably still running" if age < 120 else "not finished: failed or killed") + \
-            f" (no summary.json; metrics.jsonl last written {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(mtime))}, " \
+            " (no summary.json; metrics.jsonl last written " \
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(mtime))}, " \
             f"{age:.0f} s ago)"
     run = cfg.get("run") or {}
     lines = [f"run: {run_dir}" + (f"  [{run.get('name')}, mode {run.get('mode')}]" if run else ""),
@@ -246,7 +248,9 @@ def report_text(run_dir: Path, rows: list[dict], bad_lines: int, summary: dict |
                          f"{_fmt(_stat(_series(rows, 'dropped_samples'), max), 'g')}")
         pub = _series(rows, "publish_seconds")
         if pub:
-            lines.append(f"sync latency (publish): median {1e3 * _stat(pub):.0f} ms, max {1e3 * _stat(pub, max):.0f} ms")
+            lines.append(
+                f"sync latency (publish): median {1e3 * _stat(pub):.0f} ms, max {1e3 * _stat(pub, max):.0f} ms"
+            )
         tt, gt = _series(rows, "train_tokens_per_s"), _series(rows, "gen_tokens_per_s")
         if tt or gt:
             lines.append(f"throughput: trainer {_fmt(_stat(tt), '.0f')} tokens/s, generation "

@@ -191,5 +191,7 @@ def ensure_model(path: str | Path, build_tiny: bool = True, seed: int = 0, shape
     if (path / "config.json").is_file():
         return path
     if not build_tiny:
-        raise FileNotFoundError(f"model.path {path}: no config.json (set model.build_tiny=true to build the tiny model)")
+        raise FileNotFoundError(
+            f"model.path {path}: no config.json (set model.build_tiny=true to build the tiny model)"
+        )
     return build_model_shape(path, shape, seed=seed)

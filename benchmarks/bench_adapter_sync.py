@@ -82,7 +82,8 @@ def full_path(args, model_dir: Path, registry, http_port: int) -> list[dict]:
     version = ray.get(registry.latest_version.remote()) + 1
     rows = []
     for R in args.replicas:
-        row = {"replicas": R, "adapter_nbytes": base_adapters[0][1]["nbytes"], "merged_nbytes": base_merged[0][1]["nbytes"],
+        row = {"replicas": R, "adapter_nbytes": base_adapters[0][1]["nbytes"],
+               "merged_nbytes": base_merged[0][1]["nbytes"],
                # object-store copies per publish: trainer put, registry re-put, one fetch per replica
                "adapter_bytes_moved": base_adapters[0][1]["nbytes"] * (2 + R),
                "merged_bytes_moved": base_merged[0][1]["nbytes"] * (2 + R)}
@@ -105,7 +106,8 @@ def full_path(args, model_dir: Path, registry, http_port: int) -> list[dict]:
         row["start_s"] = time.perf_counter() - t0
         print(f"  R={R}: service up in {row['start_s']:.1f}s", flush=True)
         try:
-            for mode, bases, n in (("adapter", base_adapters, args.publishes), ("merged", base_merged, args.merge_publishes)):
+            for mode, bases, n in (("adapter", base_adapters, args.publishes),
+                                   ("merged", base_merged, args.merge_publishes)):
                 recs = []
                 for i in range(n + 1):  # the first one is a warm-up (first add_lora / first weight reload)
                     tensors = perturbed(bases[i % len(bases)][0], version)
@@ -116,12 +118,15 @@ def full_path(args, model_dir: Path, registry, http_port: int) -> list[dict]:
                     t_q = time.perf_counter()
                     rec = ray.get(registry.publish.remote(version, ref, meta))
                     t_r = time.perf_counter()
-                    out = handle.generate_group.remote(prompt, 1, version, {"max_tokens": 1, "temperature": 0.0}).result()
+                    out = handle.generate_group.remote(
+                        prompt, 1, version, {"max_tokens": 1, "temperature": 0.0}
+                    ).result()
                     t_g = time.perf_counter()
                     assert out[0]["version"] == version and len(out[0]["token_ids"]) == 1, out
                     st = handle.stats.remote().result()
                     reps = st["replicas"]
-                    have = [(s["base_version"] == version) if mode == "merged" else (version in s["versions"]) for s in reps]
+                    have = [(s["base_version"] == version) if mode == "merged" else (version in s["versions"])
+                            for s in reps]
                     if len(reps) != R or not all(have):
                         raise RuntimeError(f"policy-v{version} not served by every replica after publish: {reps}")
                     r = {"version": version, "digest_s": t_p - t_d, "put_s": t_q - t_p, "publish_s": t_r - t_q,
@@ -145,7 +150,9 @@ def full_path(args, model_dir: Path, registry, http_port: int) -> list[dict]:
         finally:
             _delete_app(cfg.rollout.app_name)
         if "adapter" in row and "merged" in row:
-            row["latency_ratio_merged_over_adapter_p50"] = row["merged"]["total_s"]["p50"] / row["adapter"]["total_s"]["p50"]
+            row["latency_ratio_merged_over_adapter_p50"] = (
+                row["merged"]["total_s"]["p50"] / row["adapter"]["total_s"]["p50"]
+            )
             row["bytes_ratio_merged_over_adapter"] = row["merged_nbytes"] / row["adapter_nbytes"]
     return rows
 
@@ -262,8 +269,12 @@ def synthetic_adapter(shapes, rank: int, layers: int) -> tuple[dict, dict]:
             grp = "self_attn" if mod in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             name = f"model.layers.{i}.{grp}.{mod}"
             fan_in, fan_out = shapes.linear[name]
-            tensors[f"base_model.model.{name}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen) * 0.01).to(torch.bfloat16)
-            tensors[f"base_model.model.{name}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen) * 0.01).to(torch.bfloat16)
+            tensors[f"base_model.model.{name}.lora_A.weight"] = (
+                torch.randn(rank, fan_in, generator=gen) * 0.01
+            ).to(torch.bfloat16)
+            tensors[f"base_model.model.{name}.lora_B.weight"] = (
+                torch.randn(fan_out, rank, generator=gen) * 0.01
+            ).to(torch.bfloat16)
     peft_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
                    "lora_dropout": 0.0, "bias": "none", "target_modules": TARGETS,
                    "base_model_name_or_path": "Qwen2.5-1.5B-shaped (synthetic)"}
@@ -312,9 +323,13 @@ def transport(args, tmp: Path) -> dict:
     try:
         for name, rank in cases:
             if rank is None:
-                base, peft_config, kind, n = synthetic_merged(shapes, args.merged_layers), None, "merged", args.merged_publishes
+                base, peft_config, kind, n = (
+                    synthetic_merged(shapes, args.merged_layers), None, "merged", args.merged_publishes
+                )
             else:
-                (base, peft_config), kind, n = synthetic_adapter(shapes, rank, n_layers), "adapter", args.transport_publishes
+                (base, peft_config), kind, n = (
+                    synthetic_adapter(shapes, rank, n_layers), "adapter", args.transport_publishes
+                )
             nbytes = tensors_nbytes(base)
             recs = []
             for i in range(n + 1):  # first one: warm-up
@@ -330,7 +345,9 @@ def transport(args, tmp: Path) -> dict:
                 res = handle.result_of.remote(version).result()
                 reps = res["replicas"]
                 if len(reps) != args.transport_replicas:
-                    raise RuntimeError(f"{name} v{version}: {len(reps)} of {args.transport_replicas} replicas acknowledged")
+                    raise RuntimeError(
+                        f"{name} v{version}: {len(reps)} of {args.transport_replicas} replicas acknowledged"
+                    )
                 r = {"digest_s": t_p - t_d, "put_s": t_q - t_p, "publish_s": t_r - t_q,
                      "arg_transfer_s": (t_r - t_q) - rec["seconds"],
                      "registry_reput_s": rec["seconds"] - rec["replica_load_seconds"],
@@ -459,11 +476,14 @@ def report(doc: dict) -> dict:
                     continue
                 s = r[mode]
                 nb = r[f"{mode}_nbytes"]
-                ratio = (f"{r['latency_ratio_merged_over_adapter_p50']:.2f}x time, {r['bytes_ratio_merged_over_adapter']:.1f}x B"
+                ratio = (f"{r['latency_ratio_merged_over_adapter_p50']:.2f}x time, "
+                         f"{r['bytes_ratio_merged_over_adapter']:.1f}x B"
                          if mode == "merged" and "latency_ratio_merged_over_adapter_p50" in r else "")
                 al = f"{s['add_lora_ms_max']['p50']:.1f}" if "add_lora_ms_max" in s else "-"
-                print(f"{r['replicas']:>2} {mode:<8} {nb:>10,} {s['total_s']['p50'] * 1e3:>10.1f} {s['total_s']['p95'] * 1e3:>8.1f} "
-                      f"{s['broadcast_s']['p50'] * 1e3:>10.1f} {s['publish_to_served_s']['p50'] * 1e3:>9.1f} {al:>9} {ratio:>15}")
+                print(f"{r['replicas']:>2} {mode:<8} {nb:>10,} {s['total_s']['p50'] * 1e3:>10.1f} "
+                      f"{s['total_s']['p95'] * 1e3:>8.1f} "
+                      f"{s['broadcast_s']['p50'] * 1e3:>10.1f} {s['publish_to_served_s']['p50'] * 1e3:>9.1f} "
+                      f"{al:>9} {ratio:>15}")
             if r.get("error"):
                 print(f"   R={r['replicas']} error: {r['error']}")
         ran = [r for r in doc["full_path"] if "adapter" in r]
@@ -493,7 +513,8 @@ def report(doc: dict) -> dict:
                 if name == "merged_full_extrapolated":
                     label = f"merged full (extrap. x{r['scale']:.1f})"
                 cells = " ".join(f"{r[c][q]:>7.3f}" for c in cols)
-                ratio = f"{r['bytes_ratio_merged_over_adapter']:>13.0f}x" if "bytes_ratio_merged_over_adapter" in r else ""
+                ratio = (f"{r['bytes_ratio_merged_over_adapter']:>13.0f}x"
+                         if "bytes_ratio_merged_over_adapter" in r else "")
                 print(f"{'':<4} {label:<27} {r['nbytes'] / 2**20:>8.1f} {cells} {ratio:>14}")
         print("digest = trainer-side make_meta (sha256); put = ray.put; arg = publish call minus registry time "
               "(the registry receiving the value); reput = registry's ray.put; bcast = router broadcast until every "
@@ -553,7 +574,8 @@ def _plot(doc: dict, path: Path) -> None:
         vals = [t["payloads"][n]["total_s"]["p50"] for n in names]
         bars = b.bar(labels, vals, color=["#2a7" if t["payloads"][n]["kind"] == "adapter" else "#c55" for n in names])
         for bar, n in zip(bars, names):
-            b.annotate(f"{t['payloads'][n]['nbytes'] / 2**20:.1f} MiB", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            b.annotate(f"{t['payloads'][n]['nbytes'] / 2**20:.1f} MiB",
+                       (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                        ha="center", va="bottom", fontsize=8)
         b.axhline(TARGET_RANK1_P50_S, ls="--", color="#888", lw=1, label="target 1 s (rank 1)")
         b.set_yscale("log")

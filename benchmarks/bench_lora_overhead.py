@@ -229,7 +229,8 @@ def main(argv=None) -> int:
            "engine_start_s": {k: v["engine_start_s"] for k, v in results.items()},
            "note": "base / one_adapter / mixed_adapters run on the same LoRA-enabled engine; "
                    "lora_disabled_engine is a second engine with enable_lora=False (reference). ratio_vs_base is "
-                   "per CPU-second of this process and its children (API client + engine core, 1 OMP thread), robust to other jobs "
+                   "per CPU-second of this process and its children (API client + engine core, 1 OMP thread), "
+                   "robust to other jobs "
                    "on the machine; wall-clock ratios (median, best round) are given too.",
            "loadavg_end": os.getloadavg(),
            "rows": rows}

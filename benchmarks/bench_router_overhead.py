@@ -134,7 +134,8 @@ def main(argv=None) -> int:
         r = bench(replicas, tracked, bs, decisions, args.group, policy)
         rows.append(r)
         print(f"{r['replicas']:>8} {policy:>11} {r['blocks_per_prompt']:>6} {tracked:>11} "
-              f"{r['us_per_decision']:>11.1f} {r['us_per_decision_median']:>8.1f} {r['decisions_per_s']:>11.0f} {r['hash_us_per_prompt']:>8.1f} "
+              f"{r['us_per_decision']:>11.1f} {r['us_per_decision_median']:>8.1f} {r['decisions_per_s']:>11.0f} "
+              f"{r['hash_us_per_prompt']:>8.1f} "
               f"{r['affinity_rate']:>8.3f}", flush=True)
     # Quality of the decision, the part of "measure both" that is not timing: skipping generic blocks
     # (shared system prompt / template) vs plain longest match vs round robin.

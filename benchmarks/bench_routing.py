@@ -189,11 +189,13 @@ def _delta(a: dict, b: dict) -> dict:
     out = {"hits": b["hits"] - a["hits"], "queries": b["queries"] - a["queries"]}
     out["hit_rate"] = out["hits"] / out["queries"] if out["queries"] else None
     out["per_replica"] = {k: {"hits": v[0] - a["per_replica"].get(k, (0, 0))[0],
-                              "queries": v[1] - a["per_replica"].get(k, (0, 0))[1]} for k, v in b["per_replica"].items()}
+                              "queries": v[1] - a["per_replica"].get(k, (0, 0))[1]}
+                          for k, v in b["per_replica"].items()}
     if b["router"] is not None:
         r = {k: b["router"][k] - (a["router"] or {}).get(k, 0) for k in b["router"]}
         n = max(1, r["requests"])
-        r.update({"affinity_rate": r["affinity"] / n, "spill_rate": r["spill"] / n, "unmatched_rate": r["unmatched"] / n,
+        r.update({"affinity_rate": r["affinity"] / n, "spill_rate": r["spill"] / n,
+                  "unmatched_rate": r["unmatched"] / n,
                   "predicted_hit_rate": r["predicted_hit_blocks"] / max(1, r["cacheable_blocks"])})
         out["router"] = r
     else:
@@ -406,10 +408,12 @@ def report(doc: dict) -> dict:
     R = doc["args"]["replicas"]
     print(f"\nrouting on {R} vLLM replicas (tiny model, CPU), G={G}, {doc['workload']['prompt_tokens']}-token prompts "
           f"({doc['workload']['system_tokens']} shared + {doc['workload']['question_tokens']} unique), "
-          f"{doc['args']['max_tokens']} output tokens, {doc['args']['epochs']} passes x {doc['args']['prompts']} prompts, "
+          f"{doc['args']['max_tokens']} output tokens, {doc['args']['epochs']} passes x "
+          f"{doc['args']['prompts']} prompts, "
           f"2 adapters")
     hdr = (f"{'policy':<14} {'eng hit':>7} {'ideal':>6} {'aff 1st':>7} {'aff rev':>7} {'plc/eng':>7} {'rtr aff':>7} "
-           f"{'spill':>6} {'unmat':>6} {'pred hit':>8} {'tok/s':>7} {'out tok/s':>9} {'tok/cpu-s':>9} {'TTFT p50':>9} {'p95':>7} "
+           f"{'spill':>6} {'unmat':>6} {'pred hit':>8} {'tok/s':>7} {'out tok/s':>9} "
+           f"{'tok/cpu-s':>9} {'TTFT p50':>9} {'p95':>7} "
            f"{'reqs/replica':>14}")
     print(hdr)
     for name, r in rows.items():
@@ -418,7 +422,8 @@ def report(doc: dict) -> dict:
         print(f"{name:<14} {f(e['hit_rate'], 7)} {f(pl['ideal_hit_rate'])} {f(pl['affinity_first_sight'], 7)} "
               f"{f(pl['affinity_revisit'], 7)} {f(pl['implied_over_engine_hits'], 7, 2)} "
               f"{f(rt and rt['affinity_rate'], 7)} {f(rt and rt['spill_rate'])} {f(rt and rt['unmatched_rate'])} "
-              f"{f(rt and rt['predicted_hit_rate_tokens'], 8)} {r['tokens_per_s']:>7.0f} {r['output_tokens_per_s']:>9.1f} "
+              f"{f(rt and rt['predicted_hit_rate_tokens'], 8)} {r['tokens_per_s']:>7.0f} "
+              f"{r['output_tokens_per_s']:>9.1f} "
               f"{f(r['tokens_per_replica_cpu_s'], 9, 0)} {t['p50'] * 1e3:>7.0f}ms {t['p95'] * 1e3:>5.0f}ms "
               f"{'/'.join(str(v) for _, v in sorted(r['requests_per_replica'].items())):>14}")
     for r in doc["policies"]:
@@ -427,7 +432,8 @@ def report(doc: dict) -> dict:
     print("eng hit = vLLM prefix-cache hit tokens / prompt tokens (counters); ideal = same workload, perfect routing; "
           "aff 1st / aff rev = engine-measured affinity (replica ids in responses) on first-sight groups (ceiling "
           f"{(G - 1) / G:.3f}) / revisits (ceiling 1.0); plc/eng = hit tokens implied by that placement / engine hit "
-          "tokens; rtr = router counters (pred hit in tokens, like eng hit); tok/s = (prompt + output tokens) / wall; tok/cpu-s = the same per CPU second of the replica processes "
+          "tokens; rtr = router counters (pred hit in tokens, like eng hit); tok/s = (prompt + output tokens) / wall; "
+          "tok/cpu-s = the same per CPU second of the replica processes "
           "(robust to other jobs on the host); TTFT = streaming REST pass")
 
     ratios, met, why = {}, {}, {}
@@ -448,7 +454,8 @@ def report(doc: dict) -> dict:
                 "ttft_p95": ratio(p["ttft"]["ttft_s"]["p95"], o["ttft"]["ttft_s"]["p95"]),
                 "group_latency_p50": ratio(p["group_latency_s"]["p50"], o["group_latency_s"]["p50"])}
         print("\nratios prefix / other: " + "; ".join(
-            f"{k.removeprefix('prefix_over_')}: tok/s {v['tokens_per_s']:.2f}x, out tok/s {v['output_tokens_per_s']:.2f}x, "
+            f"{k.removeprefix('prefix_over_')}: tok/s {v['tokens_per_s']:.2f}x, "
+            f"out tok/s {v['output_tokens_per_s']:.2f}x, "
             f"tok/cpu-s {v['tokens_per_replica_cpu_s'] or float('nan'):.2f}x, "
             f"hit rate {v['engine_hit_rate']:.2f}x, recomputed prompt tokens {v['computed_prompt_tokens']:.2f}x, "
             f"TTFT p50 {v['ttft_p50']:.2f}x p95 {v['ttft_p95']:.2f}x" for k, v in ratios.items()))
@@ -457,16 +464,21 @@ def report(doc: dict) -> dict:
         spill = p["router"]["spill_rate"]
         met["affinity_ge_87pct"] = aff >= TARGET_AFFINITY
         met["spill_le_1pct"] = spill <= TARGET_SPILL
-        why["affinity_ge_87pct"] = (f"engine-measured affinity on first-sight groups {aff:.3f} (ceiling {(G - 1) / G:.3f}), "
+        why["affinity_ge_87pct"] = (f"engine-measured affinity on first-sight groups {aff:.3f} "
+                                    f"(ceiling {(G - 1) / G:.3f}), "
                                     f"{p['placement']['affinity_all']:.3f} over all requests incl. revisits; router "
                                     f"counters say {p['router']['affinity_rate']:.3f}")
-        why["spill_le_1pct"] = f"router spill {spill:.4f} ({p['router']['spill']} of {p['router']['requests']} requests)"
+        why["spill_le_1pct"] = (
+            f"router spill {spill:.4f} ({p['router']['spill']} of {p['router']['requests']} requests)"
+        )
         if not met["spill_le_1pct"]:
             why["spill_le_1pct"] += (f"; missed: the router spills when the replica holding a prefix has >= imbalance "
-                                     f"({doc['args'].get('imbalance', 8)}) more requests in flight than the least-loaded "
+                                     f"({doc['args'].get('imbalance', 8)}) more requests in flight "
+                                     "than the least-loaded "
                                      f"one; with {doc['args']['concurrency']} groups of {G} in flight on {R} replicas, "
                                      f"two new groups that both pick the least-loaded replica, or a revisited prompt "
-                                     f"whose replica is busy with another group, reach that cap (G = {G} = the cap: one "
+                                     "whose replica is busy with another group, reach that cap "
+                                     f"(G = {G} = the cap: one "
                                      f"group's burst alone fills it)")
         if not met["affinity_ge_87pct"]:
             why["affinity_ge_87pct"] += ("; missed: requests of a group landed on more than one replica (spill or "
@@ -478,14 +490,17 @@ def report(doc: dict) -> dict:
             total = base["prompt_tokens"] + base["output_tokens"]
             bound = ratio(base["computed_prompt_tokens"] + base["output_tokens"],
                           p["computed_prompt_tokens"] + p["output_tokens"])
-            w = (f"prefix / round_robin tokens/s = {sp:.2f}x; round robin recomputed {base['computed_prompt_tokens']:,} "
+            w = (f"prefix / round_robin tokens/s = {sp:.2f}x; "
+                 f"round robin recomputed {base['computed_prompt_tokens']:,} "
                  f"prompt tokens vs prefix {p['computed_prompt_tokens']:,} (saved {saved:,} = {saved / total:.1%} of "
                  f"the {total:,} tokens processed); if time were proportional to computed tokens the bound would be "
                  f"{bound:.2f}x; per replica CPU second (robust to the other jobs on the host) prefix does "
                  f"{ratios['prefix_over_round_robin']['tokens_per_replica_cpu_s'] or float('nan'):.2f}x round robin")
-            if sp >= TARGET_SPEEDUP and (ratios["prefix_over_round_robin"]["tokens_per_replica_cpu_s"] or 0) < TARGET_SPEEDUP:
+            if (sp >= TARGET_SPEEDUP
+                    and (ratios["prefix_over_round_robin"]["tokens_per_replica_cpu_s"] or 0) < TARGET_SPEEDUP):
                 w += (". The wall-clock ratio clears the target but the CPU-time ratio does not: the wall-clock gap is "
-                      "mostly other jobs' load on the shared cores during one policy's pass (load averages in the JSON), "
+                      "mostly other jobs' load on the shared cores during one policy's pass "
+                      "(load averages in the JSON), "
                       "not routing")
             if not met["tokens_per_s_ge_1.3x_round_robin"]:
                 rr_first = (G - min(G, R)) / G
@@ -516,7 +531,8 @@ def _plot(doc: dict, path: Path) -> None:
     w = 0.2
     series = [("engine hit rate", [r["engine"]["hit_rate"] for r in rows], "#2a7"),
               ("affinity, first sight (engine)", [r["placement"]["affinity_first_sight"] for r in rows], "#37c"),
-              ("router-predicted hit rate", [(r["router"] or {}).get("predicted_hit_rate_tokens", 0) for r in rows], "#c93"),
+              ("router-predicted hit rate",
+               [(r["router"] or {}).get("predicted_hit_rate_tokens", 0) for r in rows], "#c93"),
               ("ideal hit rate", [r["placement"]["ideal_hit_rate"] for r in rows], "#bbb")]
     for k, (lab, vals, col) in enumerate(series):
         a.bar([i + (k - 1.5) * w for i in x], vals, w, label=lab, color=col)

@@ -38,7 +38,8 @@ def run_one(ray, model: Path, workdir: Path, workers: int, zero: int, steps: int
     cfg = from_dict({
         "model": {"path": str(model), "build_tiny": False, "dtype": "float32"},
         "lora": {"rank": args.rank, "alpha": 2.0 * args.rank, "target_modules": "all-linear"},
-        "grpo": {"group_size": args.group_size, "prompts_per_step": args.prompts, "max_new_tokens": args.max_new_tokens},
+        "grpo": {"group_size": args.group_size, "prompts_per_step": args.prompts,
+                 "max_new_tokens": args.max_new_tokens},
         "train": {"num_workers": workers, "cpus_per_worker": 0.5, "zero_stage": zero, "total_steps": steps,
                   "logprob_chunk": 4096},
         "checkpoint": {"every": 0, "keep": 1},
@@ -97,7 +98,8 @@ def main(argv=None) -> int:
         finally:
             ray.shutdown()
 
-    hdr = ["workers", "zero", "step p50 s", "learn p50 s", "tok/s p50", "publish p50 ms", "publish p95 ms", "adapter KB"]
+    hdr = ["workers", "zero", "step p50 s", "learn p50 s", "tok/s p50", "publish p50 ms", "publish p95 ms",
+           "adapter KB"]
     print(" | ".join(f"{h:>14}" for h in hdr))
     for r in results:
         vals = [r["workers"], r["zero_stage"], f"{r['step_s_p50']:.3f}", f"{r['learn_s_p50']:.3f}",

@@ -89,7 +89,8 @@ def main(argv=None) -> int:
     sets = sets + (["sync.mode=merge"] if args.merge else []) + [f"run.name={name}", "run.out_dir=runs/gpu"] + args.set
     cfg = C.load(str(REPO / recipe), sets)
     ray.init(address="local", num_gpus=gpus, include_dashboard=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
+                                       "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     t0 = time.time()
     error = None
     try:

@@ -104,7 +104,9 @@ def main(argv=None) -> int:
         with httpx.stream("POST", f"{base}/v1/completions", timeout=60, json={
                 "model": "policy-v1", "prompt": PROMPTS[2], "max_tokens": 4, "stream": True}) as s:
             lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
-        c["stream_status"], c["stream_chunks"], c["stream_done"] = s.status_code, len(lines), lines[-1] == "data: [DONE]"
+        c["stream_status"], c["stream_chunks"], c["stream_done"] = (
+            s.status_code, len(lines), lines[-1] == "data: [DONE]"
+        )
         bad = {"unknown_model": httpx.post(f"{base}/v1/completions", timeout=30,
                                            json={"model": "policy-v999", "prompt": "x"}).status_code,
                "bad_json": httpx.post(f"{base}/v1/completions", timeout=30, content=b"{nope",

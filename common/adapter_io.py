@@ -60,7 +60,9 @@ def verify_payload(tensors: dict[str, torch.Tensor], meta: dict,
             if want is None:
                 raise AdapterError(f"adapter tensor {name!r} pairs with no module of the base model")
             if tuple(t.shape) != tuple(want):
-                raise AdapterError(f"adapter tensor {name!r} has shape {tuple(t.shape)}, base model needs {tuple(want)}")
+                raise AdapterError(
+                    f"adapter tensor {name!r} has shape {tuple(t.shape)}, base model needs {tuple(want)}"
+                )
 
 
 def write_peft_dir(tensors: dict[str, torch.Tensor], peft_config: dict, path: str | os.PathLike) -> Path:

@@ -76,7 +76,9 @@ class BaseModelShapes:
 
 def verify_adapter(tensors: dict, meta: dict, shapes: BaseModelShapes, max_rank: int) -> None:
     if meta.get("kind", "adapter") != "adapter":
-        raise AdapterError(f"payload kind {meta.get('kind')!r} is not a LoRA adapter (merged weights go to update_weights)")
+        raise AdapterError(
+            f"payload kind {meta.get('kind')!r} is not a LoRA adapter (merged weights go to update_weights)"
+        )
     peft_config = meta.get("peft_config") or {}
     if peft_config.get("use_dora"):
         raise AdapterError("DoRA adapters cannot be served as LoRA; use sync.mode=merge")

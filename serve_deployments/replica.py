@@ -441,7 +441,9 @@ class RolloutReplica:
         if version == self._base_version:
             return {"version": version, "already": True, "replica_id": self.replica_id}
         if version < self._base_version:
-            raise ReplicaError(f"{policy_name(version)} is older than the merged {policy_name(self._base_version)}", 409)
+            raise ReplicaError(
+                f"{policy_name(version)} is older than the merged {policy_name(self._base_version)}", 409
+            )
         t0 = time.perf_counter()
         meta = (await self._registry.get.remote(version))["meta"]
         if meta.get("sha256") and meta["sha256"] == self._base_sha:

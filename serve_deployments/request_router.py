@@ -276,7 +276,8 @@ class PrefixPolicy:
             "policy": self.policy,
             "affinity_rate": c["affinity"] / routed,
             "predicted_hit_rate": c["predicted_hit_blocks"] / max(1, c["cacheable_blocks"]),
-            "replicas": {str(getattr(r, "unique_id", r)): {"inflight": self.load(r), "tracked_blocks": self.tracked_blocks(r)}
+            "replicas": {str(getattr(r, "unique_id", r)): {"inflight": self.load(r),
+                                                           "tracked_blocks": self.tracked_blocks(r)}
                          for r in self._order},
         })
         return c

@@ -22,7 +22,9 @@ def run_quick(name: str, out: Path, timeout: float = 300) -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-m", "app", "bench", name, "--quick", "--out", str(out)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"bench {name} --quick exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"bench {name} --quick exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     path = out / f"{name}_quick.json"
     assert path.is_file(), f"bench {name} --quick wrote no {path.name}; files: {sorted(p.name for p in out.iterdir())}"
     assert (out / f"{name}_quick.png").is_file()

@@ -19,7 +19,8 @@ def test_rayjob_runs_a_valid_recipe():
     words = job["spec"]["entrypoint"].split()
     recipe = words[words.index("--config") + 1]
     cfg = C.load(str(REPO / recipe))
-    gpus = sum(g["replicas"] * int(g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0))
+    gpus = sum(g["replicas"]
+               * int(g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0))
                for g in job["spec"]["rayClusterSpec"]["workerGroupSpecs"])
     # the cluster must hold the trainer's GPUs plus one per rollout replica
     assert gpus >= cfg.train.num_workers + cfg.rollout.replicas * cfg.rollout.gpus_per_replica
@@ -44,13 +45,15 @@ RESOURCES = {"type": "object", "additionalProperties": False, "properties": {
     "limits": {"type": "object", "additionalProperties": QUANTITY},
     "requests": {"type": "object", "additionalProperties": QUANTITY}, "claims": {"type": "array"}}}
 CONTAINER = {"type": "object", "required": ["name", "image"], "additionalProperties": False, "properties": {
-    "name": DNS_LABEL, "image": {"type": "string", "minLength": 1}, "imagePullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
+    "name": DNS_LABEL, "image": {"type": "string", "minLength": 1},
+    "imagePullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
     "command": STRS, "args": STRS, "env": {"type": "array", "items": {"type": "object", "required": ["name"]}},
     "envFrom": {"type": "array"}, "resources": RESOURCES, "volumeMounts": {"type": "array", "items": {
         "type": "object", "required": ["name", "mountPath"]}},
     "ports": {"type": "array", "items": {"type": "object", "required": ["containerPort"], "additionalProperties": False,
-                                         "properties": {"containerPort": {"type": "integer", "minimum": 1, "maximum": 65535},
-                                                        "name": DNS_LABEL, "protocol": {"enum": ["TCP", "UDP", "SCTP"]}}}},
+                                         "properties": {
+                                             "containerPort": {"type": "integer", "minimum": 1, "maximum": 65535},
+                                             "name": DNS_LABEL, "protocol": {"enum": ["TCP", "UDP", "SCTP"]}}}},
     "securityContext": OBJ, "lifecycle": OBJ, "readinessProbe": OBJ, "livenessProbe": OBJ, "workingDir": STR}}
 POD_TEMPLATE = {"type": "object", "required": ["spec"], "additionalProperties": False, "properties": {
     "metadata": OBJ, "spec": {"type": "object", "required": ["containers"], "properties": {
@@ -62,7 +65,8 @@ HEAD_GROUP = {"type": "object", "required": ["template"], "additionalProperties"
     "rayStartParams": RAY_START_PARAMS, "template": POD_TEMPLATE, "serviceType": STR, "enableIngress": BOOL,
     "headService": OBJ, "labels": OBJ, "resources": OBJ}}
 WORKER_GROUP = {"type": "object", "required": ["groupName", "template"], "additionalProperties": False, "properties": {
-    "groupName": DNS_LABEL, "replicas": INT0, "minReplicas": INT0, "maxReplicas": INT0, "numOfHosts": {"type": "integer", "minimum": 1},
+    "groupName": DNS_LABEL, "replicas": INT0, "minReplicas": INT0, "maxReplicas": INT0,
+    "numOfHosts": {"type": "integer", "minimum": 1},
     "rayStartParams": RAY_START_PARAMS, "template": POD_TEMPLATE, "idleTimeoutSeconds": INT0, "suspend": BOOL,
     "labels": OBJ, "resources": OBJ, "scaleStrategy": OBJ}}
 RAY_CLUSTER_SPEC = {"type": "object", "required": ["headGroupSpec"], "additionalProperties": False, "properties": {

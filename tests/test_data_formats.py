@@ -48,7 +48,9 @@ def test_directory_of_split_files(tmp_path):
     (d / "test.jsonl").write_text(json.dumps({"question": "t?", "answer": "9"}) + "\n")
     assert [r["prompt"] for r in load_prompts(_cfg(d))] == ["a?", "b?", "c?"]  # shards concatenated in order
     assert load_prompts(_cfg(d, split="test")) == [{"id": "0", "prompt": "t?", "answer": "9"}]
-    with pytest.raises(DataError, match=r"data.split: no 'validation' data in directory .* \(splits found: test, train\)"):
+    with pytest.raises(
+        DataError, match=r"data.split: no 'validation' data in directory .* \(splits found: test, train\)"
+    ):
         load_prompts(_cfg(d, split="validation"))
     with pytest.raises(DataError, match="splits found: none"):
         (tmp_path / "empty").mkdir()

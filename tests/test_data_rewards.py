@@ -30,7 +30,9 @@ def test_parquet_and_jsonl_with_column_map(tmp_path):
 
 def test_missing_column_names_key_and_columns(tmp_path):
     pq.write_table(pa.table({"question": ["a"], "answer": ["b"]}), tmp_path / "d.parquet")
-    with pytest.raises(DataError, match=r"data.prompt_column: column 'prompt' is not in .* \(columns: question, answer\)"):
+    with pytest.raises(
+        DataError, match=r"data.prompt_column: column 'prompt' is not in .* \(columns: question, answer\)"
+    ):
         load_prompts(DataConfig(path=str(tmp_path / "d.parquet")))
 
 

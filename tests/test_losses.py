@@ -226,7 +226,8 @@ def _grad(name, opts, logp, beh, ref, mask, adv, rows, td, sd):
 
 OPTS = [("grpo", dict(loss_agg=a, tis_cap=c)) for a in C.LOSS_AGGS for c in (None, 1.5)] + [
     ("dr_grpo", {}), ("dr_grpo", dict(dr_grpo_norm_len=5)),
-    ("gspo", dict(gspo_clip_eps_low=0.1, gspo_clip_eps_high=0.1)), ("gspo", {}), ("cispo", dict(loss_agg="token-mean")), ("cispo", dict(loss_agg="seq-mean-token-mean")),
+    ("gspo", dict(gspo_clip_eps_low=0.1, gspo_clip_eps_high=0.1)), ("gspo", {}),
+    ("cispo", dict(loss_agg="token-mean")), ("cispo", dict(loss_agg="seq-mean-token-mean")),
     ("dapo", {})]
 
 

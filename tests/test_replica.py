@@ -277,7 +277,9 @@ def test_merge_mode_update_weights(serve_env, replica, versions):
         merged_out = gen(replica, pids, v_merged).result()
         assert merged_out["token_ids"] == adapter_out["token_ids"]
         assert max(abs(a - b) for a, b in zip(merged_out["logprobs"], adapter_out["logprobs"])) < 1e-3
-        base_named = replica.openai.remote("/v1/completions", {"model": "base", "prompt": "x", "max_tokens": 2}).result()
+        base_named = replica.openai.remote(
+            "/v1/completions", {"model": "base", "prompt": "x", "max_tokens": 2}
+        ).result()
         assert base_named["version"] == v_merged
         with pytest.raises(Exception, match="no longer served"):
             gen(replica, pids, v_ad).result()

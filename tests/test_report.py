@@ -32,7 +32,9 @@ def _run_dir(tmp_path: Path, steps: int, finished: bool) -> Path:
                                                    "train": {"total_steps": 40}, "rollout": {"workers": 2}}))
     lines = [json.dumps(_row(s)) for s in range(1, steps + 1)]
     if finished:
-        (d / "summary.json").write_text(json.dumps({"steps": steps, "wall_seconds": 120.0, "adapter_dir": str(d / "adapter")}))
+        (d / "summary.json").write_text(
+            json.dumps({"steps": steps, "wall_seconds": 120.0, "adapter_dir": str(d / "adapter")})
+        )
         text = "\n".join(lines) + "\n"
     else:
         text = "\n".join(lines) + "\n" + json.dumps(_row(steps + 1))[:37]  # killed mid-write

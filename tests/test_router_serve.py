@@ -98,7 +98,8 @@ def test_rest_rejects_bad_input_and_stays_up(svc, url):
     with httpx.Client(base_url=url, timeout=60) as c:
         good = {"model": "policy-latest", "prompt": "abc", "max_tokens": 2}
         cases = [
-            (c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400, "JSON"),
+            (c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
+             400, "JSON"),
             (c.post("/v1/completions", json={**good, "model": "gpt-17"}), 404, "gpt-17"),
             (c.post("/v1/completions", json={**good, "max_tokens": -3}), 400, "max_tokens"),
             (c.post("/v1/completions", json={**good, "prompt": "x" * 600}), 400, "context"),
