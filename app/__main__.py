@@ -43,9 +43,8 @@ def cmd_train(argv: list[str]) -> int:
                    help="stream Ray, Serve, vLLM and DeepSpeed logs to the console (by default they go to "
                         "RUN_DIR/logs/ and Ray's session log directory)")
     args = p.parse_args(argv)
-    from common.config import ConfigError, load
-
     from app.data import DataError
+    from common.config import ConfigError, load
 
     try:
         cfg = load(args.config, args.set)
@@ -62,7 +61,8 @@ def cmd_train(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s; reward "
-          f"{summary['reward_first_quarter']:.3f} (first quarter) -> {summary['reward_last_quarter']:.3f} (last quarter); "
+          f"{summary['reward_first_quarter']:.3f} (first quarter) -> "
+          f"{summary['reward_last_quarter']:.3f} (last quarter); "
           f"adapter {summary['adapter_dir']}; run dir {cfg.run_dir}")
     if "eval/accuracy" in summary:
         print(f"eval: accuracy {summary['eval_first']:.3f} (step {summary['eval_first_step']}) -> "
@@ -86,9 +86,8 @@ def cmd_train(argv: list[str]) -> int:
 def cmd_validate(argv: list[str]) -> int:
     p = _train_parser("python -m app validate", COMMANDS["validate"])
     args = p.parse_args(argv)
-    from common.config import ConfigError, load
-
     from app.data import DataError
+    from common.config import ConfigError, load
 
     try:
         cfg = load(args.config, args.set)

@@ -99,11 +99,11 @@ class Columns:
         self.names, self._get, self.n = names, get, n
 
     @classmethod
-    def from_arrow(cls, table) -> "Columns":
+    def from_arrow(cls, table) -> Columns:
         return cls(table.column_names, lambda c: table.column(c).to_pylist(), table.num_rows)
 
     @classmethod
-    def from_records(cls, records: list[dict]) -> "Columns":
+    def from_records(cls, records: list[dict]) -> Columns:
         names = list(dict.fromkeys(k for r in records for k in r))
         return cls(names, lambda c: [r.get(c) for r in records], len(records))
 
@@ -213,7 +213,8 @@ def _resolve(cfg: DataConfig):
         try:
             splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise DataError(f"data.path: {path / 'dataset_dict.json'} is not a `datasets` DatasetDict file ({e})") from e
+            raise DataError(f"data.path: {path / 'dataset_dict.json'} is not a `datasets` DatasetDict file "
+                            f"({e})") from e
         if split not in splits:
             raise DataError(f"data.split: {split!r} is not a split of {path} (splits: {', '.join(splits)})")
         return _read_hf_dataset(path / split), f"{path} [{split}]"
@@ -281,7 +282,8 @@ def load_prompts_with_report(cfg: DataConfig) -> PromptLoad:
         raise DataError(f"{source}: {'; '.join(bad[:5])}{more} ({len(bad)} bad row(s) of {len(prompts)}; "
                         "data.on_bad_row=skip drops them)")
     if not rows:
-        raise DataError(f"data.path: {source} has no rows" + (f" left after skipping {len(bad)} bad row(s)" if bad else ""))
+        skipped = f" left after skipping {len(bad)} bad row(s)" if bad else ""
+        raise DataError(f"data.path: {source} has no rows{skipped}")
     return PromptLoad(rows, len(bad), bad[:5], source)
 
 

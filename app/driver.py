@@ -524,7 +524,8 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, e
         train_rows = ray.get(metrics.get_rows.remote())
         if not train_rows:
             raise RuntimeError(f"training finished without a single step (run dir {run_dir})")
-        summary = summarize(train_rows, wall, {**idle_fractions(train_rows, cfg.rollout.workers * cfg.rollout.groups_per_worker),
+        in_flight = cfg.rollout.workers * cfg.rollout.groups_per_worker
+        summary = summarize(train_rows, wall, {**idle_fractions(train_rows, in_flight),
             "mode": cfg.run.mode, "max_staleness": cfg.sync.max_staleness, "sync_mode": cfg.sync.mode,
             "adapter_dir": str(adapter_dir) if adapter_dir else None,
             "checkpoint": result.checkpoint.path if result.checkpoint else None,

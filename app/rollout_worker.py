@@ -97,10 +97,10 @@ class RolloutWorker:
         return rewards
 
     async def rollout_one(self, row: dict) -> Group:
+        import torch
+
         from app.data import render_prompt
         from train_loops.grpo import group_advantages
-
-        import torch
 
         g = self.cfg.grpo
         prompt_ids = render_prompt(row, self.tokenizer, self.cfg.data)
@@ -248,7 +248,8 @@ class RolloutWorker:
             await self.buffer.put.remote(group, **kw)
             self.groups_done += 1
             if self.metrics is not None:
-                self.metrics.log_rollout.remote(group.gen_tokens, group.gen_seconds, sum(group.rewards) / len(group.samples))
+                self.metrics.log_rollout.remote(group.gen_tokens, group.gen_seconds,
+                                                sum(group.rewards) / len(group.samples))
 
     def stop(self) -> None:
         self._stop = True

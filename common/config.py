@@ -161,7 +161,8 @@ class RolloutConfig:
     groups_per_worker: int = _f(1, "Groups each rollout worker samples concurrently (workers x this = groups in "
                                    "flight; enough to fill the engines' batches on GPU).")
     http_port: int = _f(8000, "Serve HTTP port of the OpenAI-compatible router.")
-    admin_token: str | None = _f(None, "Bearer token for admin routes; env LORA_GRPO_ADMIN_TOKEN if null; none = admin off.")
+    admin_token: str | None = _f(None, "Bearer token for admin routes; env LORA_GRPO_ADMIN_TOKEN if null; "
+                                       "none = admin off.")
     app_name: str = _f("policy", "Serve application name.")
     max_body_bytes: int = _f(4 * 1024 * 1024, "Largest REST request body in bytes; a larger one is answered 413 "
                                               "without being parsed.")
@@ -406,7 +407,8 @@ def validate(cfg: Config) -> None:
         if not ok:
             p.append(msg)
 
-    need(m.dtype in ("auto", "float32", "bfloat16", "float16"), f"model.dtype: {m.dtype!r} is not float32, bfloat16, float16 or auto")
+    need(m.dtype in ("auto", "float32", "bfloat16", "float16"),
+         f"model.dtype: {m.dtype!r} is not float32, bfloat16, float16 or auto")
     need(m.max_model_len >= 16, "model.max_model_len: must be >= 16")
     need(m.tiny_shape in ("tiny", "small", "qwen2.5-1.5b"),
          f"model.tiny_shape: {m.tiny_shape!r} is not tiny, small or qwen2.5-1.5b")
@@ -422,7 +424,8 @@ def validate(cfg: Config) -> None:
     tm = lo.target_modules
     need(tm == "all-linear" or (isinstance(tm, list) and tm and all(isinstance(x, str) for x in tm)),
          f"lora.target_modules: must be `all-linear` or a non-empty list of module names, got {tm!r}")
-    need(g.group_size >= 2, f"grpo.group_size: must be >= 2 (advantages are relative within a group), got {g.group_size}")
+    need(g.group_size >= 2,
+         f"grpo.group_size: must be >= 2 (advantages are relative within a group), got {g.group_size}")
     need(g.prompts_per_step >= 1, "grpo.prompts_per_step: must be >= 1")
     need(g.lr > 0, "grpo.lr: must be > 0")
     need(g.clip_eps_low > 0 and g.clip_eps_high > 0, "grpo.clip_eps_low/high: must be > 0")
@@ -470,7 +473,8 @@ def validate(cfg: Config) -> None:
     need(r.replicas >= 1, "rollout.replicas: must be >= 1")
     need(r.cpus_per_replica > 0, "rollout.cpus_per_replica: must be > 0")
     need(r.tensor_parallel >= 1, "rollout.tensor_parallel: must be >= 1")
-    need(r.max_lora_rank in VLLM_LORA_RANKS, f"rollout.max_lora_rank: {r.max_lora_rank} is not one of {VLLM_LORA_RANKS}")
+    need(r.max_lora_rank in VLLM_LORA_RANKS,
+         f"rollout.max_lora_rank: {r.max_lora_rank} is not one of {VLLM_LORA_RANKS}")
     need(r.kv_cache_gib >= 1, "rollout.kv_cache_gib: must be a whole number of GiB >= 1")
     need(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization: must be in (0, 1]")
     need(r.workers >= 1, "rollout.workers: must be >= 1")
@@ -495,7 +499,8 @@ def validate(cfg: Config) -> None:
          "their in-flight predecessors and a swap slot must fit")
     if s.mode == "adapter":
         need(lo.rank <= r.max_lora_rank,
-             f"lora.rank: {lo.rank} exceeds rollout.max_lora_rank {r.max_lora_rank}; raise max_lora_rank or set sync.mode=merge")
+             f"lora.rank: {lo.rank} exceeds rollout.max_lora_rank {r.max_lora_rank}; raise max_lora_rank or "
+             "set sync.mode=merge")
     need(cfg.checkpoint.every >= 0, "checkpoint.every: must be >= 0")
     need(cfg.checkpoint.keep >= 1, "checkpoint.keep: must be >= 1")
     need(cfg.run.mode in ("async", "sync"), f"run.mode: {cfg.run.mode!r} is not async or sync")
@@ -538,5 +543,6 @@ def describe() -> str:
         hints = typing.get_type_hints(sec_type)
         for f in dataclasses.fields(sec_type):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  {sec_name}.{f.name} ({_tname(hints[f.name])}, default {default!r}): {f.metadata.get('help', '')}")
+            lines.append(f"  {sec_name}.{f.name} ({_tname(hints[f.name])}, default {default!r}): "
+                         f"{f.metadata.get('help', '')}")
     return "\n".join(lines)

@@ -485,7 +485,8 @@ class Router:
             ok, errors = await self._broadcast("update_weights", version)
             if errors or not ok:
                 raise RuntimeError(f"update_weights v{version} failed on {len(errors)} of "
-                                   f"{len(ok) + len(errors)} replicas: {_short(errors[0]) if errors else 'none answered'}")
+                                   f"{len(ok) + len(errors)} replicas: "
+                                   f"{_short(errors[0]) if errors else 'none answered'}")
             # New base weights: old base-model blocks are stale on every replica, so new hashes.
             self._merged_version = version
             return {"version": version, "replicas": len(ok), "results": ok}
@@ -796,13 +797,15 @@ class Router:
             flags[field] = v
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict) or _RESERVED_TEMPLATE_KWARGS & set(kwargs):
-            raise APIError(400, "chat_template_kwargs must be an object of template variables (not "
-                                f"{', '.join(sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))) or 'a ' + type(kwargs).__name__})",
+            what = (", ".join(sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))) if isinstance(kwargs, dict)
+                    else "a " + type(kwargs).__name__)
+            raise APIError(400, f"chat_template_kwargs must be an object of template variables (not {what})",
                            param="chat_template_kwargs")
         try:
             ids = self._tok.apply_chat_template(msgs, tokenize=True, return_dict=False, **flags, **kwargs)
         except Exception as e:
-            raise APIError(400, f"messages could not be rendered with the chat template: {e}", param="messages") from None
+            raise APIError(400, f"messages could not be rendered with the chat template: {e}",
+                           param="messages") from None
         return [list(ids)]
 
     # ------------------------------------------------------------------ REST: admin

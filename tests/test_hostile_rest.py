@@ -55,8 +55,8 @@ def svc(serve_env):
             while not stop.is_set():
                 try:
                     h = c.get("/health").status_code
-                    v1 = (c.post("/v1/completions", json={"model": "policy-v1", "prompt": "a", "max_tokens": 1}).status_code
-                          if h == 200 else None)
+                    body = {"model": "policy-v1", "prompt": "a", "max_tokens": 1}
+                    v1 = c.post("/v1/completions", json=body).status_code if h == 200 else None
                     polls.append((h, v1))
                     if h == 200:
                         return
@@ -104,7 +104,8 @@ def assert_openai_error(r: httpx.Response, model_dir, statuses=range(400, 500)):
 # ---------------------------------------------------------------- the cases: (name, method, path, request kwargs)
 
 def _raw(text: str | bytes) -> dict:
-    return {"content": text.encode() if isinstance(text, str) else text, "headers": {"content-type": "application/json"}}
+    return {"content": text.encode() if isinstance(text, str) else text,
+            "headers": {"content-type": "application/json"}}
 
 
 def _c(**over) -> dict:

@@ -15,8 +15,7 @@ import time
 
 import pytest
 
-from tests._serve_helpers import free_port, make_lora_payload, prompt_ids, publish, retire_all  # noqa: F401
-from tests._serve_helpers import serve_env, small_config  # noqa: F401
+from tests._serve_helpers import free_port, make_lora_payload, prompt_ids, publish, retire_all, serve_env, small_config  # noqa: F401  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
