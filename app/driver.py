@@ -617,13 +617,6 @@ def idle_fractions(rows: list[dict], workers: int) -> dict:
     }
 
 
-def wall_train(rows: list[dict]) -> float:
-    """Seconds from the first to the last step row (plus the first step's own duration)."""
-    if not rows:
-        return 0.0
-    return rows[-1]["time"] - rows[0]["time"] + rows[0].get("step_seconds", 0.0)
-
-
 def _fit(trainer):
     try:
         return trainer.fit()

@@ -99,6 +99,8 @@ class RunMetrics:
         ev, self._eval = getattr(self, "_eval", None) or {}, None
         row = {"step": int(step), "time": now, **metrics, **self._extra, **ev,
                "gen_groups": gen["groups"], "gen_seconds_sum": gen["seconds"],
+               # reward of the groups generated since the last row (the batch's own is reward_mean)
+               "gen_reward_mean": gen["reward_sum"] / gen["groups"] if gen["groups"] else None,
                # wall-clock rate: generation runs concurrently across workers and replicas
                "gen_tokens_per_s": gen["tokens"] / max(1e-9, now - self._t_last)}
         self._gen = {"tokens": 0, "seconds": 0.0, "groups": 0, "reward_sum": 0.0}
