@@ -24,9 +24,8 @@ from collections import deque
 
 import ray
 
+from common.names import BUFFER_NAME  # noqa: F401  (the actor is created under it)
 from common.types import Group
-
-BUFFER_NAME = "rollout-buffer"
 
 
 @ray.remote(num_cpus=0)

@@ -437,9 +437,9 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, e
     from app.buffer import BUFFER_NAME, RolloutBuffer
     from app.loggers import tracking_options
     from app.metrics import METRICS_NAME, RunMetrics
-    from app.registry import NAMESPACE, get_or_create_registry
     from app.report import plot_rewards, summarize, write_summary
     from app.rollout_worker import start_workers
+    from common.registry import NAMESPACE, get_or_create_registry
     from serve_deployments.app_builder import start_service, wait_healthy
     from train_loops.trainer import build_trainer
 

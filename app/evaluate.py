@@ -172,7 +172,7 @@ def evaluate_service(cfg: Config, rows: list[dict], payload=None, verbose: bool 
     from ray import serve
 
     from app.driver import Console, _init_ray, _kill
-    from app.registry import get_or_create_registry
+    from common.registry import get_or_create_registry
     from serve_deployments.app_builder import start_with_adapter, wait_healthy
 
     cfg.model.path = str(Path(cfg.model.path).resolve())

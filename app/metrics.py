@@ -9,7 +9,8 @@ from pathlib import Path
 
 import ray
 
-METRICS_NAME = "run-metrics"
+from common.names import METRICS_NAME  # noqa: F401  (the actor is created under it)
+
 logger = logging.getLogger("app.metrics")
 
 

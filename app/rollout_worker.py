@@ -156,7 +156,7 @@ class RolloutWorker:
         under the version it names (fetched once per version; None for the original base model).
         Mismatches are counted (`version_mismatches` on the metrics rows, which must stay 0) and the
         group is refused: its samples would train on a wrong behaviour policy."""
-        from app.registry import get_registry
+        from common.registry import get_registry
 
         cache = self.__dict__.setdefault("_published_sha", {})
         first = not hasattr(self, "version_mismatches")

@@ -300,8 +300,8 @@ def transport(args, tmp: Path) -> dict:
     import ray
     from ray import serve
 
-    from app.registry import NAMESPACE, AdapterRegistry
     from common.adapter_io import make_meta, tensors_nbytes
+    from common.registry import NAMESPACE, AdapterRegistry
     from serve_deployments.adapter_store import BaseModelShapes
 
     model_dir = qwen15b_config_dir(tmp)
@@ -417,8 +417,8 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
-    from app.registry import get_or_create_registry
     from app.tiny_model import ensure_model
+    from common.registry import get_or_create_registry
     from tests._serve_helpers import free_port
 
     model = ensure_model(REPO / "runs" / "tiny-model")

@@ -604,8 +604,8 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
-    from app.registry import get_or_create_registry
     from app.tiny_model import ensure_model
+    from common.registry import get_or_create_registry
     from tests._serve_helpers import free_port, make_lora_payload, publish
 
     model = ensure_model(REPO / "runs" / "tiny-model")

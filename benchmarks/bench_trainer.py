@@ -28,8 +28,8 @@ def pct(xs: list[float], q: float) -> float:
 
 def run_one(ray, model: Path, workdir: Path, workers: int, zero: int, steps: int, args) -> dict:
     from app.metrics import METRICS_NAME, RunMetrics
-    from app.registry import NAMESPACE, REGISTRY_NAME, AdapterRegistry
     from common.config import from_dict, validate
+    from common.registry import NAMESPACE, REGISTRY_NAME, AdapterRegistry
     from train_loops.trainer import build_trainer
 
     name = f"w{workers}-z{zero}"

@@ -57,7 +57,7 @@ def start_service(cfg: Config, registry_name: str | None = None, registry_namesp
     registry to it, so publishes load on every replica. Returns the ingress handle."""
     import ray
 
-    from app.registry import NAMESPACE, REGISTRY_NAME, get_or_create_registry
+    from common.registry import NAMESPACE, REGISTRY_NAME, get_or_create_registry
 
     registry_name = registry_name or REGISTRY_NAME
     registry_namespace = registry_namespace or NAMESPACE
@@ -126,9 +126,9 @@ def serve_main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from app.registry import get_or_create_registry
     from common import config as config_mod
     from common.adapter_io import AdapterError, make_meta, read_peft_dir
+    from common.registry import get_or_create_registry
 
     sets = list(args.set) + [f"model.path={args.model}", "model.build_tiny=false"]
     if args.replicas is not None:

@@ -52,6 +52,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.names import BASE_NAME
 from common.types import POLICY_LATEST, parse_policy_name, policy_name
 from serve_deployments.prefix_hash import ROUTE_KWARG, route_key
 from serve_deployments.request_router import local_policy
@@ -67,7 +68,6 @@ RETRY_AFTER_S = 1
 BODY_TIMEOUT_S = 30.0  # a body that trickles in slower than this is answered 408, not waited on forever
 MAX_DEPTH = 32  # JSON nesting; chat messages with tool schemas need < 10
 INT64 = 2 ** 63 - 1  # vLLM turns sampling integers into int64 tensors; larger ones overflow in the engine
-BASE_NAME = "base"  # the replica's name for the base model (replica.BASE_NAME)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # apply_chat_template arguments a client's chat_template_kwargs must not override.
 _RESERVED_TEMPLATE_KWARGS = frozenset({

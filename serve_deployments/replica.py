@@ -27,6 +27,7 @@ import ray
 from ray import serve
 
 from common.adapter_io import AdapterError
+from common.names import BASE_NAME
 from common.types import POLICY_LATEST, lora_int_id, parse_policy_name, policy_name
 from serve_deployments.adapter_slots import AdapterSlots, SlotsFullError
 from serve_deployments.adapter_store import (
@@ -40,7 +41,6 @@ from serve_deployments.adapter_store import (
 
 log = logging.getLogger("ray.serve")
 
-BASE_NAME = "base"
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 # SamplingParams fields generate() passes through besides max_tokens/temperature/top_p/seed/logprobs.
 _SAMPLING_EXTRA = ("top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",

@@ -43,7 +43,7 @@ def serve_env(tiny_model_dir, tmp_path_factory):
     import ray
     from ray import serve
 
-    from app.registry import get_or_create_registry
+    from common.registry import get_or_create_registry
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
@@ -176,7 +176,7 @@ def deploy_replicas(cfg, app_name: str = "replicas-test"):
     """Run RolloutReplica alone as a Serve app (no HTTP route) and return its DeploymentHandle."""
     from ray import serve
 
-    from app.registry import NAMESPACE, REGISTRY_NAME
+    from common.registry import NAMESPACE, REGISTRY_NAME
     from serve_deployments.engine_config import engine_kwargs, replica_options
     from serve_deployments.replica import RolloutReplica
 

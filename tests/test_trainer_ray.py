@@ -29,8 +29,8 @@ def test_torchtrainer_checkpoints_publishes_restores_and_resumes_from_buffer(ray
 
     from app.buffer import BUFFER_NAME, RolloutBuffer
     from app.metrics import METRICS_NAME, RunMetrics
-    from app.registry import NAMESPACE, REGISTRY_NAME, AdapterRegistry
     from common.adapter_io import tensors_digest
+    from common.registry import NAMESPACE, REGISTRY_NAME, AdapterRegistry
     from train_loops.batches import synthetic_batch
     from train_loops.trainer import build_trainer
 

@@ -13,9 +13,7 @@ import torch
 import torch.distributed as dist
 
 from common.adapter_io import make_meta, tensors_nbytes
-
-REGISTRY_NAME = "adapter-registry"  # app.registry.REGISTRY_NAME (train_loops does not import app)
-NAMESPACE = "lora_grpo"
+from common.names import NAMESPACE
 
 
 def gather_lora_state(peft_model, zero_stage: int) -> dict[str, torch.Tensor]:

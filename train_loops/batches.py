@@ -7,11 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from common.names import BUFFER_NAME, NAMESPACE
 from common.types import Group, Sample
 from train_loops.grpo import group_advantages
-
-BUFFER_NAME = "rollout-buffer"  # app.buffer.BUFFER_NAME; not imported: train_loops must not import app
-NAMESPACE = "lora_grpo"
 
 
 @dataclass

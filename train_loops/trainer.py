@@ -4,11 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.config import Config
+from common.names import METRICS_NAME, REGISTRY_NAME
 from common.placement import trainer_resources
-from train_loops.adapter_sync import REGISTRY_NAME
 from train_loops.worker import train_loop_per_worker
-
-METRICS_NAME = "run-metrics"  # app.metrics.METRICS_NAME
 
 
 def build_trainer(cfg: Config, run_dir: str | Path, *, batch_source: str = "buffer",

@@ -17,8 +17,7 @@ import time
 
 import ray
 
-REGISTRY_NAME = "adapter-registry"
-NAMESPACE = "lora_grpo"
+from common.names import NAMESPACE, REGISTRY_NAME
 
 
 @ray.remote(num_cpus=0)
