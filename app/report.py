@@ -96,8 +96,14 @@ def _series(rows: list[dict], key: str) -> list[tuple[float, float]]:
     return [(r["step"], float(r[key])) for r in rows if _num(r.get(key))]
 
 
+# eval/* bookkeeping (which version, how many prompts, how long) is not a score to plot beside rewards.
+_EVAL_BOOKKEEPING = {"eval/step", "eval/version", "eval/samples", "eval/seconds"}
+
+
 def _eval_keys(rows: list[dict]) -> list[str]:
-    return sorted({k for r in rows for k, v in r.items() if k.startswith("eval/") and _num(v)})
+    """The eval scores in the rows (accuracy, pass@k, reward mean): numbers in [0, 1] like the reward."""
+    return sorted({k for r in rows for k, v in r.items()
+                   if k.startswith("eval/") and k not in _EVAL_BOOKKEEPING and _num(v)})
 
 
 def trainer_idle(rows: list[dict]) -> list[tuple[float, float]]:
