@@ -133,8 +133,8 @@ def eval_main(argv: list[str] | None = None) -> int:
 
     from app.data import DataError
     from common import config as config_mod
-    from common.adapter_io import AdapterError, make_meta, read_peft_dir
-    from serve_deployments.app_builder import _adapter_rank_sets
+    from common.adapter_io import AdapterError
+    from serve_deployments.app_builder import read_adapter_payload
 
     sets = list(args.set) + [f"model.path={args.model}", "model.build_tiny=false", f"eval.path={args.data}",
                              "rollout.workers=1"]
@@ -145,9 +145,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     payload = None
     try:
         if args.adapter:  # read before starting anything: a bad directory fails fast
-            tensors, peft_cfg = read_peft_dir(args.adapter)
-            payload = (tensors, make_meta(tensors, peft_cfg, kind="adapter", source=str(args.adapter)))
-            sets = _adapter_rank_sets(int(peft_cfg.get("r", 8)), sets)
+            payload, sets = read_adapter_payload(args.adapter, sets)
         cfg = config_mod.load(args.config, sets)
         rows = eval_rows(cfg)
     except (config_mod.ConfigError, AdapterError, DataError, FileNotFoundError) as e:

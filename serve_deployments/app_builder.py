@@ -110,6 +110,16 @@ def _adapter_rank_sets(rank: int, sets: list[str]) -> list[str]:
     return out
 
 
+def read_adapter_payload(adapter_dir: str, sets: list[str]) -> tuple[tuple[dict, dict], list[str]]:
+    """A saved PEFT adapter as the (tensors, meta) pair the registry publishes, and the config overrides
+    its rank implies. Raises AdapterError for a bad directory, before anything starts."""
+    from common.adapter_io import make_meta, read_peft_dir
+
+    tensors, peft_cfg = read_peft_dir(adapter_dir)
+    payload = (tensors, make_meta(tensors, peft_cfg, kind="adapter", source=str(adapter_dir)))
+    return payload, _adapter_rank_sets(int(peft_cfg.get("r", 8)), sets)
+
+
 def serve_main(argv: list[str] | None = None) -> int:
     """`python -m app serve --model DIR [--adapter DIR] [--replicas N] [--port 8000]`."""
     p = argparse.ArgumentParser(prog="python -m app serve", description=(
@@ -127,7 +137,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     import ray
 
     from common import config as config_mod
-    from common.adapter_io import AdapterError, make_meta, read_peft_dir
+    from common.adapter_io import AdapterError
     from common.registry import get_or_create_registry
 
     sets = list(args.set) + [f"model.path={args.model}", "model.build_tiny=false"]
@@ -138,9 +148,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     payload = None
     try:
         if args.adapter:  # read before starting anything: a bad directory fails fast
-            tensors, peft_cfg = read_peft_dir(args.adapter)
-            payload = (tensors, make_meta(tensors, peft_cfg, kind="adapter", source=str(args.adapter)))
-            sets = _adapter_rank_sets(int(peft_cfg.get("r", 8)), sets)
+            payload, sets = read_adapter_payload(args.adapter, sets)
         cfg = config_mod.load(args.config, sets)
     except (config_mod.ConfigError, AdapterError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
