@@ -74,8 +74,11 @@ def small_config(model_dir, replicas: int = 1, max_staleness: int = 1, max_loras
         setattr(cfg.rollout, k, v)
     if os.environ.get("LORA_GRPO_TEST_GPU") == "1":  # the same suites on a GPU machine (vllm 0.25.1)
         cfg.train.use_gpu = True
-        cfg.rollout.gpus_per_replica = round(0.9 / replicas, 3)
-        cfg.rollout.gpu_memory_utilization = round(0.8 / replicas, 3)
+        # A GPU each when there are enough (two engines profiling one device at once failed to deploy
+        # on vllm 0.25.1); otherwise shares of one.
+        share = 1.0 if torch.cuda.device_count() >= replicas else round(0.9 / replicas, 3)
+        cfg.rollout.gpus_per_replica = share
+        cfg.rollout.gpu_memory_utilization = 0.4 if share == 1.0 else round(0.8 / replicas, 3)
     cfg.sync.max_staleness = max_staleness
     cfg.sync.max_loras = max_loras
     return cfg
