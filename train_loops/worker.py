@@ -142,6 +142,7 @@ class GRPOWorker:
         n_micro = mb.micro_batches_needed(ranks, self.token_budget)
         micro = mb.plan(ranks, self.rank, self.token_budget, n_micro)
         token_denom, seq_denom = mb.step_denominators(ranks)
+        current = self.publisher.version  # the version the weights being trained hold now
         micro_stats = []
         for i in range(n_micro):
             # A rank with fewer sequences than the others' micro-batch count repeats one with weight 0:
@@ -159,6 +160,7 @@ class GRPOWorker:
             self.engine.backward(loss * weight, scale_wrt_gas=False)
             self.engine.step()  # applies the update only at the boundary
             if weight:
+                st.update(_fresh_log_ratio(logp, b, part, current))
                 micro_stats.append({**st, "loss": float(loss.detach()),
                                     "seq_tokens": int(b["attention_mask"].sum()),
                                     "padded_tokens": int(b["attention_mask"].numel())})
@@ -286,13 +288,23 @@ class GRPOWorker:
 
 _STAT_KEYS = ("loss", "kl", "clip_frac", "entropy", "log_ratio_abs_mean", "log_ratio_abs_max", "tokens",
               "seq_tokens", "padded_tokens", "grad_norm", "tis_weight_mean", "tis_clip_frac", "micro_batches",
-              "is_weight_mean", "seq_log_ratio_abs_mean")
+              "is_weight_mean", "seq_log_ratio_abs_mean", "log_ratio_fresh")
+
+
+def _fresh_log_ratio(logp, b: dict, part: list, current: int) -> dict:
+    """Mean |trainer - vLLM| logprob over the tokens of samples the current weights generated: the
+    engines' numerical mismatch alone, without the policy drift that staler samples add."""
+    fresh = torch.tensor([s.version == current for s in part], device=logp.device)
+    sel = b["mask"] & fresh[:, None]
+    if not bool(sel.any()):
+        return {}
+    return {"log_ratio_fresh": float((logp.detach().float() - b["behaviour_logp"]).abs()[sel].mean())}
 
 
 def _combine(stats: list[dict]) -> dict:
-    """Mean over micro-batches / ranks, max for maxima, sum for token counts."""
+    """Mean over micro-batches / ranks (of those that have the key), max for maxima, sum for counts."""
     out = {}
-    for k in stats[0]:
+    for k in dict.fromkeys(k for s in stats for k in s):
         vals = [s[k] for s in stats if k in s]
         out[k] = max(vals) if k in _MAX_KEYS else sum(vals) if k in _SUM_KEYS else sum(vals) / len(vals)
     return out
