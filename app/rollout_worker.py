@@ -105,6 +105,8 @@ class RolloutWorker:
         g = self.cfg.grpo
         prompt_ids = render_prompt(row, self.tokenizer, self.cfg.data)
         sampling = {"max_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p, "logprobs": True}
+        if g.ignore_eos:
+            sampling["ignore_eos"] = True
         t0 = time.perf_counter()
         comps = await self._generate_group(prompt_ids, g.group_size, sampling)
         gen_s = time.perf_counter() - t0

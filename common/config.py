@@ -124,6 +124,8 @@ class GRPOConfig:
                                        "new ones in their place (DAPO); counted as filtered_groups.")
     temperature: float = _f(1.0, "Sampling temperature.")
     top_p: float = _f(1.0, "Sampling top-p.")
+    ignore_eos: bool = _f(False, "Generate exactly max_new_tokens per completion (speed benchmarks; "
+                                 "length-controlled runs).")
     max_new_tokens: int = _f(16, "Max completion tokens.")
 
 

@@ -32,19 +32,22 @@ class StepBatch:
 
 
 def synthetic_batch(seed: int, step: int, n_groups: int, group_size: int, vocab: int,
-                    max_new_tokens: int, scale_rewards: bool = True) -> StepBatch:
+                    max_new_tokens: int, scale_rewards: bool = True, prompt_len: int | None = None,
+                    completion_len: int | None = None) -> StepBatch:
     """A pure function of (seed, step): random prompts/completions, 0/1 rewards, and behaviour logprobs
-    near the uniform -log(vocab) (what a freshly initialised tiny model gives), so ratios stay near 1."""
+    near the uniform -log(vocab) (what a freshly initialised tiny model gives), so ratios stay near 1.
+    Lengths are random (prompts 4-12, completions 2..max_new_tokens) unless `prompt_len` /
+    `completion_len` fix them (speed benchmarks)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     rewards = (torch.rand(n_groups, group_size, generator=g) < 0.5).float()
     adv = group_advantages(rewards, scale_by_std=scale_rewards)
     groups = []
     for p in range(n_groups):
-        plen = int(torch.randint(4, 13, (1,), generator=g))
+        plen = prompt_len or int(torch.randint(4, 13, (1,), generator=g))
         prompt = torch.randint(3, vocab, (plen,), generator=g).tolist()
         samples = []
         for k in range(group_size):
-            clen = int(torch.randint(2, max_new_tokens + 1, (1,), generator=g))
+            clen = completion_len or int(torch.randint(2, max_new_tokens + 1, (1,), generator=g))
             comp = torch.randint(3, vocab, (clen,), generator=g).tolist()
             blp = (-math.log(vocab) + 0.05 * torch.randn(clen, generator=g)).tolist()
             samples.append(Sample(prompt_ids=prompt, completion_ids=comp, behaviour_logprobs=blp,

@@ -13,6 +13,8 @@ loop_cfg keys:
   checkpoint_dir  torchrun only: where checkpoint_<step> directories go
   ds_overrides    dict merged into the DeepSpeed config
   dump_dir        tests/debugging: rank 0 writes steps.jsonl and the final full weights (full_state.safetensors)
+  synthetic       {"prompt_len": P, "completion_len": C}: fixed synthetic lengths (speed benchmarks)
+  profile_step    N: rank 0 runs step N under torch.profiler and writes its top ops to dump_dir/profile.txt
   fail_once_at    tests: {"step": N, "rank": R, "marker": path}: that rank dies at the start of step N once
                   (the marker file remembers), to exercise Ray Train's restore-from-checkpoint
 """
@@ -93,7 +95,7 @@ class GRPOWorker:
         row = {}
         for step in range(self.state["step"] + 1, total + 1):
             self._maybe_fail(step)
-            row = self.step(step)
+            row = self._profiled_step(step) if step == self.loop_cfg.get("profile_step") else self.step(step)
             if (every and step % every == 0) or step == total:
                 self.save_checkpoint(step, row)
         self._dump_final()
@@ -123,11 +125,29 @@ class GRPOWorker:
         self.report(step, row)
         return row
 
+    def _profiled_step(self, step: int) -> dict:
+        """One step under torch.profiler; rank 0 writes the top ops by self time (the speed work's
+        "where the time goes") to dump_dir/profile.txt."""
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            row = self.step(step)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        if self.rank == 0 and self.loop_cfg.get("dump_dir"):
+            key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+            d = Path(self.loop_cfg["dump_dir"])
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "profile.txt").write_text(f"step {step}, sorted by {key}\n{table}\n")
+        return row
+
     def next_batch(self, step: int) -> StepBatch:
         g = self.cfg.grpo
         if self.source == "synthetic":
             return synthetic_batch(self.cfg.train.seed, step, g.prompts_per_step, g.group_size, self.vocab,
-                                   g.max_new_tokens, self.cfg.scale_advantages)
+                                   g.max_new_tokens, self.cfg.scale_advantages, **self.loop_cfg.get("synthetic", {}))
         obj = [buffer_batch(self.publisher.version, g.prompts_per_step) if self.rank == 0 else None]
         dist.broadcast_object_list(obj, src=0, device=self._obj_device())
         return obj[0]
