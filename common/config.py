@@ -9,7 +9,7 @@ import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -31,8 +31,21 @@ POLICY_LOSSES = {
             "DAPO adds dynamic_sampling=true and dapo_overlong_buffer > 0",
 }
 LOSS_NAMES = tuple(POLICY_LOSSES)
-# grpo.loss_agg: how grpo and cispo reduce per-token losses over a step.
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+# grpo.loss_agg: how grpo and cispo reduce per-token losses over a step. The Literal is the one definition:
+# the validator checks values against it (`_matches`), `train --help` prints it, the losses import LOSS_AGGS.
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+LOSS_AGGS: tuple[str, ...] = typing.get_args(LossAgg)
+
+# model.dtype; `auto` is resolved by `resolve_dtype` (the only place that decides it).
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def resolve_dtype(dtype: str, use_gpu: bool) -> str:
+    """The torch/vLLM dtype of `model.dtype`: `auto` is bfloat16 when training on GPUs (`train.use_gpu`), else
+    float32. The trainer and the engines both use it, so behaviour and trainer logprobs are in one dtype."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if use_gpu else "float32"
 
 # run.loggers -> (modules, any one of which will do; the pip extra that installs them). See app/loggers.py.
 LOGGER_PACKAGES = {"jsonl": ((), ""), "tensorboard": (("tensorboard", "tensorboardX"), "tracking"),
@@ -52,7 +65,8 @@ class ModelConfig:
     tiny_seed: int = _f(0, "Seed of the embedded tiny model (weights are a pure function of it).")
     tiny_shape: str = _f("tiny", "Shape of the embedded model built at `path`: tiny | small | qwen2.5-1.5b "
                                  "(`python -m app tiny-model --help`).")
-    dtype: str = _f("auto", "float32 | bfloat16 | auto (bfloat16 on GPU, float32 on CPU).")
+    dtype: DType = _f("auto", "Weights and compute dtype of trainer and engines; auto = bfloat16 when train.use_gpu, "
+                              "else float32 (`resolve_dtype`).")
     max_model_len: int = _f(512, "Context length for the engines and the trainer (prompt + completion).")
 
 
@@ -106,8 +120,8 @@ class GRPOConfig:
     tis_cap: float | None = _f(None, "Truncated importance sampling cap on trainer/behaviour ratio; null = off "
                                      "(losses grpo, dr_grpo, dapo).")
     scale_rewards: bool = _f(True, "Divide advantages by the group std (always off under loss dr_grpo).")
-    loss_agg: str = _f("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum: the reduction of losses "
-                                     "grpo and cispo (dr_grpo, gspo and dapo have their own).")
+    loss_agg: LossAgg = _f("token-mean", "The reduction of losses grpo and cispo over a step (dr_grpo, gspo and dapo "
+                                         "have their own).")
     gspo_clip_eps_low: float = _f(3e-4, "gspo: sequence ratio lower bound 1 - eps (GSPO's ranges are tiny).")
     gspo_clip_eps_high: float = _f(4e-4, "gspo: sequence ratio upper bound 1 + eps.")
     cispo_eps_low: float = _f(1.0, "cispo: IS weight lower bound 1 - eps (1.0 = none, as in MiniMax-M1).")
@@ -256,9 +270,7 @@ class Config:
 
     @property
     def torch_dtype(self) -> str:
-        if self.model.dtype != "auto":
-            return self.model.dtype
-        return "bfloat16" if self.train.use_gpu else "float32"
+        return resolve_dtype(self.model.dtype, self.train.use_gpu)
 
     @property
     def run_dir(self) -> Path:
@@ -374,6 +386,8 @@ def _matches(v, tp) -> bool:
     if tp is Any:
         return True
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return isinstance(v, str | int) and not isinstance(v, bool) and v in args
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         return any(_matches(v, a) for a in args)
     if tp is type(None):
@@ -393,6 +407,8 @@ def _matches(v, tp) -> bool:
 
 def _tname(tp) -> str:
     args = typing.get_args(tp)
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(str(a) for a in args)
     if args:
         return " or ".join("null" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
     return getattr(tp, "__name__", str(tp))
@@ -409,8 +425,6 @@ def validate(cfg: Config) -> None:
         if not ok:
             p.append(msg)
 
-    need(m.dtype in ("auto", "float32", "bfloat16", "float16"),
-         f"model.dtype: {m.dtype!r} is not float32, bfloat16, float16 or auto")
     need(m.max_model_len >= 16, "model.max_model_len: must be >= 16")
     need(m.tiny_shape in ("tiny", "small", "qwen2.5-1.5b"),
          f"model.tiny_shape: {m.tiny_shape!r} is not tiny, small or qwen2.5-1.5b")
@@ -434,7 +448,6 @@ def validate(cfg: Config) -> None:
     need(g.clip_eps_low < 1, "grpo.clip_eps_low: must be < 1")
     need(g.kl_coef >= 0, "grpo.kl_coef: must be >= 0")
     need(g.tis_cap is None or g.tis_cap >= 1.0, f"grpo.tis_cap: must be null or >= 1, got {g.tis_cap}")
-    need(g.loss_agg in LOSS_AGGS, f"grpo.loss_agg: {g.loss_agg!r} is not one of {', '.join(LOSS_AGGS)}")
     need(g.loss in LOSS_NAMES, f"grpo.loss: {g.loss!r} is not one of {', '.join(LOSS_NAMES)}")
     need(g.tis_cap is None or g.loss in ("grpo", "dr_grpo", "dapo"),
          f"grpo.tis_cap: applies to losses grpo, dr_grpo and dapo; {g.loss} weights by the behaviour ratio itself")

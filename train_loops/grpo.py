@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from common.config import LOSS_AGGS, GRPOConfig
+from common.config import GRPOConfig, LossAgg
 from train_loops.losses import agg_loss, get_policy_loss
 
-__all__ = ["LOSS_AGGS", "aggregate", "group_advantages", "grpo_loss", "chunked_token_logprobs",
+__all__ = ["aggregate", "group_advantages", "grpo_loss", "chunked_token_logprobs",
            "sequence_logprobs", "reference_logits_logprobs"]
 
 
@@ -27,7 +27,7 @@ def group_advantages(rewards: torch.Tensor, scale_by_std: bool = True, eps: floa
     return adv
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_agg: str,
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_agg: LossAgg,
               token_denominator: float | None = None, seq_denominator: float | None = None) -> torch.Tensor:
     """`losses.agg_loss` with this micro-batch's own token / sequence counts where a denominator is None."""
     token_denominator, seq_denominator = _own_denominators(mask, per_token.dtype, token_denominator, seq_denominator)
@@ -43,7 +43,7 @@ def _own_denominators(mask, dtype, token_denominator, seq_denominator):
 
 
 def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, *,
-              clip_eps_low: float, clip_eps_high: float, loss_agg: str = "token-mean", kl_coef: float = 0.0,
+              clip_eps_low: float, clip_eps_high: float, loss_agg: LossAgg = "token-mean", kl_coef: float = 0.0,
               ref_logp: torch.Tensor | None = None, tis_cap: float | None = None,
               entropy: torch.Tensor | None = None, token_denominator: float | None = None,
               seq_denominator: float | None = None) -> tuple[torch.Tensor, dict]:
