@@ -39,6 +39,11 @@ LOSS_AGGS: tuple[str, ...] = typing.get_args(LossAgg)
 # model.dtype; `auto` is resolved by `resolve_dtype` (the only place that decides it).
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
+# router.policy: prefix affinity or round robin (serve_deployments/request_router.RoutingPolicy), or Serve's own
+# router. The one definition: the validator checks it, request_router imports ROUTING_POLICIES.
+RouterPolicy = Literal["prefix", "round_robin", "serve_default"]
+ROUTING_POLICIES: tuple[str, ...] = typing.get_args(RouterPolicy)
+
 
 def resolve_dtype(dtype: str, use_gpu: bool) -> str:
     """The torch/vLLM dtype of `model.dtype`: `auto` is bfloat16 when training on GPUs (`train.use_gpu`), else
@@ -189,9 +194,12 @@ class RolloutConfig:
 
 @dataclass
 class RouterConfig:
-    policy: str = _f("prefix", "prefix | round_robin | serve_default.")
+    policy: RouterPolicy = _f("prefix", "prefix: longest prompt-specific prefix match with load balance; round_robin; "
+                                        "serve_default: Serve's own router (no prefix routing).")
     imbalance: int = _f(8, "Spill to the least-loaded replica when the prefix owner has this many more in flight.")
     max_tracked_blocks: int = _f(100_000, "Per-replica LRU bound on tracked block hashes.")
+    skip_generic: bool = _f(True, "prefix: match only past blocks that identify no prompt (held by every replica, "
+                                  "or followed by 2+ different blocks); false = plain longest match from the start.")
 
 
 @dataclass
@@ -498,8 +506,6 @@ def validate(cfg: Config) -> None:
     need(r.max_body_bytes >= 1024, f"rollout.max_body_bytes: must be >= 1024, got {r.max_body_bytes}")
     need(r.max_inflight_per_replica is None or r.max_inflight_per_replica >= 1,
          f"rollout.max_inflight_per_replica: must be >= 1 or null, got {r.max_inflight_per_replica}")
-    need(cfg.router.policy in ("prefix", "round_robin", "serve_default"),
-         f"router.policy: {cfg.router.policy!r} is not prefix, round_robin or serve_default")
     need(cfg.router.imbalance >= 1, "router.imbalance: must be >= 1")
     need(cfg.router.max_tracked_blocks >= 1, "router.max_tracked_blocks: must be >= 1")
     need(s.mode in ("adapter", "merge"), f"sync.mode: {s.mode!r} is not adapter or merge")
