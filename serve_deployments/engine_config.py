@@ -16,8 +16,7 @@ WORKER_EXTENSION = "serve_deployments.weight_update.MergedWeightsExtension"
 def engine_env(cfg: Config) -> dict[str, str]:
     """Environment of every replica actor (and so of its engine-core process)."""
     env = {
-        # An in-process worker ("uni" executor) starts in 2-3 s instead of ~28 s.
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if engine_in_process(cfg) else "1",
         # Models are built from local dirs; never try the hub from inside an actor.
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
@@ -37,6 +36,14 @@ def engine_env(cfg: Config) -> dict[str, str]:
     else:
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # FlashInfer is not in the GPU bundle
     return env
+
+
+def engine_in_process(cfg: Config) -> bool:
+    """rollout.engine_in_process, or: in-process on CPU (the engine core's own process starts in ~28 s
+    there, in-process in 2-3 s), a separate engine-core process on GPU (vLLM's default: scheduling and
+    detokenizing overlap the GPU's work)."""
+    r = cfg.rollout
+    return r.engine_in_process if r.engine_in_process is not None else r.gpus_per_replica <= 0
 
 
 def engine_lora_slots(cfg: Config) -> int:
