@@ -25,7 +25,8 @@ def router_config(cfg: Config) -> RequestRouterConfig | None:
     return RequestRouterConfig(
         request_router_class="serve_deployments.request_router:PrefixAwareRouter",
         request_router_kwargs={"policy": cfg.router.policy, "imbalance": cfg.router.imbalance,
-                               "max_tracked_blocks": cfg.router.max_tracked_blocks})
+                               "max_tracked_blocks": cfg.router.max_tracked_blocks,
+                               "skip_generic": cfg.router.skip_generic})
 
 
 def build_app(cfg: Config, registry_name: str, registry_namespace: str) -> serve.Application:
