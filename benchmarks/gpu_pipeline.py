@@ -1,0 +1,544 @@
+"""Issue 9's GPU benchmark: where the async LoRA GRPO pipeline stands against its parts and the hardware.
+
+Workload: the `qwen2.5-1.5b` shape (real 151,936 vocabulary, random weights), LoRA rank 1 all-linear,
+16 prompts x 8 completions per step, prompts of 256 tokens, exactly 1,024 new tokens (ignore_eos),
+async with max_staleness 2.
+
+    python benchmarks/gpu_pipeline.py                      # every phase the machine's GPUs allow
+    python benchmarks/gpu_pipeline.py --phases trainer     # one phase (results merge into the JSON)
+    python -m app bench gpu_pipeline
+
+Phases (each in its own processes, so each starts with a clean GPU):
+- trainer (1 GPU): our trainer (train_loops.worker under torchrun, DeepSpeed ZeRO-2, the step's
+  micro-batches cut by the token budget) against a plain PEFT loop (HF model + PEFT LoRA, gradient
+  checkpointing, sdpa, full logits + log-softmax, 16 sequences per micro-batch) on the same tokens.
+  One trainer step runs under torch.profiler: its top ops go to gpu_pipeline_profile.txt.
+- rollout (1 GPU): 128 completions through the router -> replica -> AsyncLLM path against a bare
+  AsyncLLM with the same engine arguments, adapter and prompts.
+- pipeline (2 GPUs: one training, one rollout): the whole `app train` run, async and then sync, same
+  work: step seconds, publish -> served latency, async over sync.
+
+Writes OUT/gpu_pipeline.json (the goal keys at top level; a goal not measured is null with the reason
+under `not_measured`) and OUT/gpu_pipeline.png."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+WORKLOAD = {"shape": "qwen2.5-1.5b", "lora_rank": 1, "target_modules": "all-linear", "prompts_per_step": 16,
+            "group_size": 8, "prompt_tokens": 256, "new_tokens": 1024, "ignore_eos": True, "max_staleness": 2,
+            "dtype": "bfloat16"}
+GOALS = {"step_seconds_p50": ("<=", 4.8), "trainer_vs_peft": (">=", 1.5), "rollout_vs_bare_vllm": (">=", 0.95),
+         "publish_to_served_p50_s": ("<=", 1.0), "async_vs_sync": (">=", 1.8)}
+SMOKE = {"shape": "tiny", "prompts_per_step": 2, "group_size": 4, "prompt_tokens": 16, "new_tokens": 16}
+if os.environ.get("GPU_PIPELINE_SMOKE") == "1":  # --smoke, inherited by the phases' child processes
+    WORKLOAD.update(SMOKE)
+# Dense bf16 peak of an H100/H200 SXM (the MFU convention of the TRL and Megatron reports).
+PEAK_BF16_FLOPS = 989e12
+
+
+def _p50(xs):
+    xs = sorted(x for x in xs if x is not None)
+    return xs[len(xs) // 2] if xs else None
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+
+
+def model_dir(root: Path, shape: str) -> Path:
+    from app.tiny_model import build_model_shape
+
+    d = root / f"{shape}-model"
+    if not (d / "config.json").exists():
+        t0 = time.time()
+        build_model_shape(d, shape)
+        print(f"model {shape} built in {time.time() - t0:.0f} s", flush=True)
+    return d
+
+
+def model_flops_per_step(model: Path, seqs: int, seq_len: int, completion_len: int) -> float:
+    """Model FLOPs of one LoRA training step (no recompute counted): forward 2N + input-gradient backward
+    2N per token through the decoder for every token, and through the LM head for completion tokens
+    only (what the loss reads); the adapter's own FLOPs are negligible at rank 1."""
+    import json as _json
+
+    c = _json.loads((model / "config.json").read_text())
+    h, i, layers, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    kv = c["num_key_value_heads"] * (h // c["num_attention_heads"])
+    body = layers * (2 * h * h + 2 * h * kv + 3 * h * i)
+    attn = layers * 2 * seq_len * h  # causal QK^T and AV, averaged over positions
+    return 4.0 * seqs * (seq_len * (body + attn) + completion_len * h * v)
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+
+def phase_trainer(args, work: Path, model: Path, out: Path) -> dict:
+    import torch
+
+    w = WORKLOAD
+    gpu = torch.cuda.is_available()
+    seqs = w["prompts_per_step"] * w["group_size"]
+    seq_len = w["prompt_tokens"] + w["new_tokens"]
+    dump = work / "trainer"
+    loop_cfg = {
+        "config": {
+            "model": {"path": str(model), "build_tiny": False, "dtype": w["dtype"] if gpu else "float32",
+                      "max_model_len": 2048},
+            "lora": {"rank": w["lora_rank"], "alpha": 2.0 * w["lora_rank"], "target_modules": w["target_modules"]},
+            "grpo": {"group_size": w["group_size"], "prompts_per_step": w["prompts_per_step"],
+                     "max_new_tokens": w["new_tokens"], "lr": 1e-4},
+            "train": {"num_workers": 1, "use_gpu": gpu, "zero_stage": 2, "total_steps": args.trainer_steps},
+            "rollout": {"max_lora_rank": w["lora_rank"]},
+            "checkpoint": {"every": 0},
+        },
+        "batch_source": "synthetic", "runner": "torchrun", "checkpoint_dir": str(work / "ck"),
+        "dump_dir": str(dump), "profile_step": args.trainer_steps - 1,
+        "synthetic": {"prompt_len": w["prompt_tokens"], "completion_len": w["new_tokens"]},
+    }
+    (work / "loop.json").write_text(json.dumps(loop_cfg))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_port()}",
+           "-m", "train_loops.worker", str(work / "loop.json")]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
+    res: dict = {"trainer_wall_s": time.time() - t0}
+    if proc.returncode != 0:
+        (out / "gpu_pipeline_trainer.log").write_text(proc.stdout + proc.stderr)
+        res["trainer_error"] = proc.stderr[-2000:]
+    else:
+        rows = [json.loads(x) for x in (dump / "steps.jsonl").read_text().splitlines()]
+        steady = [r for r in rows[1:] if r["step"] != loop_cfg["profile_step"]] or rows
+        res.update({"trainer_tokens_per_s": _p50([r["train_tokens_per_s"] for r in steady]),
+                    "trainer_learn_s_p50": _p50([r["learn_seconds"] for r in steady]),
+                    "trainer_micro_batches": rows[-1].get("micro_batches"),
+                    "trainer_peak_mem_gib": max(r.get("peak_mem_gib", 0.0) for r in rows)})
+        if (dump / "profile.txt").exists():
+            (out / "gpu_pipeline_profile.txt").write_text((dump / "profile.txt").read_text())
+    cmd = [sys.executable, __file__, "_peft", "--model", str(model), "--steps", str(args.trainer_steps),
+           "--out", str(work / "peft.json")]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        (out / "gpu_pipeline_peft.log").write_text(proc.stdout + proc.stderr)
+        res["peft_error"] = proc.stderr[-2000:]
+    else:
+        res.update(json.loads((work / "peft.json").read_text()))
+    flops = model_flops_per_step(model, seqs, seq_len, w["new_tokens"])
+    if res.get("trainer_tokens_per_s"):
+        res["trainer_mfu"] = flops / (seqs * seq_len) * res["trainer_tokens_per_s"] / PEAK_BF16_FLOPS
+    if res.get("trainer_tokens_per_s") and res.get("peft_tokens_per_s"):
+        res["trainer_vs_peft"] = res["trainer_tokens_per_s"] / res["peft_tokens_per_s"]
+    return res
+
+
+def peft_loop(model: str, steps: int, micro: int, checkpointing: bool = True) -> dict:
+    """The plain loop: HF model + PEFT LoRA (rank 1, all-linear), sdpa, full logits, float32 log-softmax,
+    a GRPO-shaped loss on the completion tokens, AdamW; 128 sequences per optimizer step in micro-batches
+    of `micro`."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    w = WORKLOAD
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev)
+    if checkpointing:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.enable_input_require_grads()
+    m = get_peft_model(m, LoraConfig(r=w["lora_rank"], lora_alpha=2 * w["lora_rank"],
+                                     target_modules=w["target_modules"], lora_dropout=0.0))
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
+    seqs, p, c = w["prompts_per_step"] * w["group_size"], w["prompt_tokens"], w["new_tokens"]
+    g = torch.Generator().manual_seed(0)
+    vocab = m.config.vocab_size
+    times = []
+    for _ in range(steps):
+        ids = torch.randint(3, vocab, (seqs, p + c), generator=g).to(dev)
+        adv = torch.randn(seqs, generator=g).to(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(0, seqs, micro):
+            x = ids[i:i + micro]
+            logits = m(input_ids=x).logits[:, p - 1:-1]
+            logp = torch.log_softmax(logits.float(), -1).gather(-1, x[:, p:, None]).squeeze(-1)
+            loss = -(logp * adv[i:i + micro, None]).sum() / (seqs * c)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    steady = times[1:] or times
+    t = _p50(steady)
+    return {"peft_tokens_per_s": seqs * (p + c) / t, "peft_step_s_p50": t, "peft_micro_batch": micro,
+            "peft_gradient_checkpointing": checkpointing,
+            "peft_peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None}
+
+
+# ---------------------------------------------------------------------------------------------- rollout
+
+def _prompts(tok_vocab: int) -> list[list[int]]:
+    """16 prompts of exactly 256 token ids (random ids of the model's own vocabulary, no special ones)."""
+    import random
+
+    rng = random.Random(0)
+    w = WORKLOAD
+    return [[rng.randrange(3, tok_vocab) for _ in range(w["prompt_tokens"])] for _ in range(w["prompts_per_step"])]
+
+
+def _config(model: Path, gpus: int, **rollout):
+    from common import config as C
+
+    w = WORKLOAD
+    sets = [f"model.path={model}", "model.build_tiny=false", f"model.dtype={w['dtype']}", "model.max_model_len=2048",
+            f"lora.rank={w['lora_rank']}", f"lora.alpha={2 * w['lora_rank']}",
+            f"rollout.max_lora_rank={w['lora_rank']}", "rollout.replicas=1",
+            f"rollout.gpus_per_replica={1 if gpus else 0}", "rollout.enforce_eager=false",
+            "rollout.max_num_seqs=256", "rollout.gpu_memory_utilization=0.85", "train.use_gpu=true",
+            f"sync.max_staleness={w['max_staleness']}"] + [f"rollout.{k}={v}" for k, v in rollout.items()]
+    if not gpus:  # --smoke on CPU
+        sets += ["model.dtype=float32", "train.use_gpu=false", "rollout.enforce_eager=true",
+                 "rollout.cpus_per_replica=1", "train.gpus_per_worker=0", "train.cpus_per_worker=0.5"]
+    return C.load(str(REPO / "recipes" / "gpu-2x.yaml"), sets)
+
+
+def _random_adapter(model: Path, seed: int = 1) -> tuple[dict, dict]:
+    import torch
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from common.adapter_io import make_meta, peft_config_to_dict
+
+    w = WORKLOAD
+    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16)
+    m = get_peft_model(m, LoraConfig(r=w["lora_rank"], lora_alpha=2 * w["lora_rank"],
+                                     target_modules=w["target_modules"], lora_dropout=0.0))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                p.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
+    tensors = {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(m).items()}
+    pc = peft_config_to_dict(m.peft_config["default"])
+    pc["base_model_name_or_path"] = str(model)
+    return tensors, make_meta(tensors, pc, kind="adapter")
+
+
+def _sampling() -> dict:
+    w = WORKLOAD
+    return {"max_tokens": w["new_tokens"], "temperature": 1.0, "top_p": 1.0, "logprobs": True,
+            "ignore_eos": w["ignore_eos"]}
+
+
+def bare_vllm(model: str, adapter_dir: str, out: str) -> None:
+    """A bare AsyncLLM with the replica's engine arguments: 16 prompts x 8 samples with the adapter, the
+    same sampling (per-token logprobs, ignore_eos), once to warm up and twice timed."""
+    import torch
+
+    from serve_deployments.engine_config import engine_env, engine_kwargs
+
+    cfg = _config(Path(model), torch.cuda.device_count())
+    os.environ.update(engine_env(cfg))  # the replica's engine environment (engine-core process mode too)
+    from vllm import AsyncEngineArgs, SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    kw = engine_kwargs(cfg)
+    kw.pop("worker_extension_cls", None)
+    w = WORKLOAD
+    s = _sampling()
+    params = SamplingParams(max_tokens=s["max_tokens"], temperature=1.0, logprobs=0, ignore_eos=True)
+
+    async def go():
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
+        lora = LoRARequest("policy-v1", 1, adapter_dir)
+        await engine.add_lora(lora)
+        prompts = _prompts(engine.model_config.get_vocab_size())
+
+        async def one(pid, k, tag):
+            final = None
+            async for o in engine.generate({"prompt_token_ids": prompts[pid]}, params, f"{tag}-{pid}-{k}",
+                                           lora_request=lora):
+                final = o
+            return len(final.outputs[0].token_ids)
+
+        rates = []
+        for rep in range(3):
+            t0 = time.perf_counter()
+            n = await asyncio.gather(*[one(p, k, f"r{rep}") for p in range(w["prompts_per_step"])
+                                       for k in range(w["group_size"])])
+            rates.append(sum(n) / (time.perf_counter() - t0))
+        engine.shutdown()
+        return rates
+
+    rates = asyncio.run(go())
+    Path(out).write_text(json.dumps({"bare_vllm_tokens_per_s": _p50(rates[1:]), "bare_vllm_runs": rates}))
+
+
+def phase_rollout(args, work: Path, model: Path, out: Path) -> dict:
+    import ray
+
+    from common.adapter_io import write_peft_dir
+
+    tensors, meta = _random_adapter(model)
+    adir = write_peft_dir(tensors, meta["peft_config"], work / "adapter")
+    res: dict = {}
+    cmd = [sys.executable, __file__, "_bare", "--model", str(model), "--adapter", str(adir),
+           "--out", str(work / "bare.json")]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        (out / "gpu_pipeline_bare.log").write_text(proc.stdout + proc.stderr)
+        res["bare_error"] = proc.stderr[-2000:]
+    else:
+        res.update(json.loads((work / "bare.json").read_text()))
+
+    import torch
+
+    from serve_deployments.app_builder import start_service
+
+    gpus = min(1, torch.cuda.device_count())
+    cfg = _config(model, gpus, http_port=_port())
+    ray.init(address="local", num_gpus=gpus, include_dashboard=False, runtime_env={"env_vars": {
+        "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": _env()["PYTHONPATH"]}})
+    try:
+        from common.registry import get_or_create_registry
+
+        registry = get_or_create_registry()
+        t0 = time.time()
+        handle = start_service(cfg, registry=registry)
+        res["serve_start_s"] = time.time() - t0
+        ray.get(registry.publish.remote(1, ray.put(tensors), meta))
+        w = WORKLOAD
+        info_vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        prompts = _prompts(info_vocab)
+        rates = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            refs = [handle.generate_group.remote(p, w["group_size"], 1, _sampling()) for p in prompts]
+            groups = [r.result() for r in refs]
+            n = sum(len(c["token_ids"]) for g in groups for c in g)
+            rates.append(n / (time.perf_counter() - t0))
+        res["rollout_tokens_per_s"] = _p50(rates[1:])
+        res["rollout_runs"] = rates
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+    if res.get("rollout_tokens_per_s") and res.get("bare_vllm_tokens_per_s"):
+        res["rollout_vs_bare_vllm"] = res["rollout_tokens_per_s"] / res["bare_vllm_tokens_per_s"]
+    return res
+
+
+# --------------------------------------------------------------------------------------------- pipeline
+
+def phase_pipeline(args, work: Path, model: Path, out: Path) -> dict:
+    res: dict = {}
+    runs = {}
+    for mode in ("async", "sync"):
+        data = work / "prompts.jsonl"
+        _write_prompts(data, model)
+        cmd = [sys.executable, __file__, "_run", "--model", str(model), "--mode", mode, "--data", str(data),
+               "--steps", str(args.pipeline_steps), "--out", str(work / f"run-{mode}.json")]
+        t0 = time.time()
+        proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
+        (out / f"gpu_pipeline_{mode}.log").write_text((proc.stdout + proc.stderr)[-200_000:])
+        if proc.returncode != 0 and not (work / f"run-{mode}.json").exists():
+            res[f"{mode}_error"] = proc.stderr[-2000:]
+            continue
+        runs[mode] = json.loads((work / f"run-{mode}.json").read_text())
+        runs[mode]["wall_s"] = time.time() - t0
+    res["runs"] = runs
+    a, s = runs.get("async", {}), runs.get("sync", {})
+    if a.get("step_seconds_p50"):
+        res["step_seconds_p50"] = a["step_seconds_p50"]
+        res["publish_to_served_p50_s"] = a.get("publish_seconds_p50")
+    if a.get("step_seconds_p50") and s.get("step_seconds_p50"):
+        res["async_vs_sync"] = s["step_seconds_p50"] / a["step_seconds_p50"]
+    return res
+
+
+def _write_prompts(path: Path, model: Path) -> None:
+    """Prompts whose chat rendering is exactly 256 tokens (the embedded tokenizer is one token per
+    character), answers unused (hash_reward)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    rendered = tok.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=False)
+    base = len(tok.encode(rendered, add_special_tokens=False))
+    rng = random.Random(0)
+    n = WORKLOAD["prompt_tokens"] - base
+    with path.open("w") as f:
+        for i in range(512):
+            text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n))
+            f.write(json.dumps({"id": f"p{i}", "prompt": text, "answer": "a"}) + "\n")
+
+
+def pipeline_run(model: str, mode: str, data: str, steps: int, out: str) -> None:
+    import ray
+
+    from app import driver
+    from benchmarks.gpu_runs import record
+    from common import config as C
+
+    w = WORKLOAD
+    sets = [f"model.path={model}", "model.build_tiny=false", f"model.dtype={w['dtype']}", "model.max_model_len=2048",
+            f"data.path={data}", "reward.fn=app.rewards:hash_reward", f"lora.rank={w['lora_rank']}",
+            f"lora.alpha={2 * w['lora_rank']}", f"rollout.max_lora_rank={w['lora_rank']}",
+            f"grpo.prompts_per_step={w['prompts_per_step']}", f"grpo.group_size={w['group_size']}",
+            f"grpo.max_new_tokens={w['new_tokens']}", "grpo.ignore_eos=true", "grpo.lr=1e-4",
+            f"sync.max_staleness={w['max_staleness']}", f"train.total_steps={steps}", "checkpoint.every=0",
+            "rollout.enforce_eager=false", "rollout.groups_per_worker=12", "rollout.gpu_memory_utilization=0.85",
+            f"run.mode={mode}", f"run.name=gpu-pipeline-{mode}", "run.out_dir=runs/gpu"]
+    cfg = C.load(str(REPO / "recipes" / "gpu-2x.yaml"), sets)
+    ray.init(address="local", num_gpus=2, include_dashboard=False, runtime_env={"env_vars": {
+        "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": _env()["PYTHONPATH"]}})
+    t0 = time.time()
+    err = None
+    try:
+        summary = driver.run(cfg, progress=True)
+    except Exception as e:
+        err, summary = f"{type(e).__name__}: {e}"[-2000:], {}
+    rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
+        if (cfg.run_dir / "metrics.jsonl").exists() else []
+    rec = record(f"pipeline-{mode}", cfg, rows, summary, time.time() - t0, "")
+    rec["error"] = err
+    Path(out).write_text(json.dumps(rec, default=float))
+    ray.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+def finish(doc: dict, gpus: int, out: Path) -> dict:
+    reasons = {"step_seconds_p50": "needs 2 GPUs (one training, one rollout)",
+               "async_vs_sync": "needs 2 GPUs (one training, one rollout)"}
+    doc.setdefault("not_measured", {})
+    for k in GOALS:
+        if doc.get(k) is None:
+            doc[k] = None
+            doc["not_measured"].setdefault(k, reasons.get(k, "phase failed or not run; see the phase's error key"))
+        else:
+            doc["not_measured"].pop(k, None)
+    doc["goals"] = {k: {"goal": f"{op} {v}", "measured": doc.get(k),
+                        "met": None if doc.get(k) is None else (doc[k] <= v if op == "<=" else doc[k] >= v)}
+                    for k, (op, v) in GOALS.items()}
+    try:
+        _plot(doc, out / "gpu_pipeline.png")
+    except Exception as e:  # a missing matplotlib must not lose the numbers
+        doc["plot_error"] = str(e)
+    return doc
+
+
+def _plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(GOALS)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for i, k in enumerate(keys):
+        op, goal = GOALS[k]
+        v = doc.get(k)
+        # Plotted as "fraction of goal", higher is better for every key.
+        frac = None if v is None else (goal / v if op == "<=" else v / goal)
+        ax.bar(i, frac or 0, color="tab:green" if frac and frac >= 1 else "tab:red")
+        ax.text(i, (frac or 0) + 0.03, "n/m" if v is None else f"{v:.3g}\n({op} {goal})", ha="center", fontsize=8)
+    ax.axhline(1.0, color="k", lw=1, ls="--")
+    ax.set_xticks(range(len(keys)), keys, rotation=15, fontsize=8)
+    ax.set_ylabel("measured / goal (>= 1 is met)")
+    ax.set_title(f"gpu_pipeline: {doc.get('device', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("_peft", "_bare", "_run"):  # the phases' child processes
+        p = argparse.ArgumentParser()
+        p.add_argument("what")
+        p.add_argument("--model")
+        p.add_argument("--adapter")
+        p.add_argument("--steps", type=int, default=4)
+        p.add_argument("--mode")
+        p.add_argument("--data")
+        p.add_argument("--out")
+        a = p.parse_args(argv)
+        if a.what == "_peft":
+            Path(a.out).write_text(json.dumps(peft_loop(a.model, a.steps, micro=16)))
+        elif a.what == "_bare":
+            bare_vllm(a.model, a.adapter, a.out)
+        else:
+            pipeline_run(a.model, a.mode, a.data, a.steps, a.out)
+        return 0
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phases", default="trainer,rollout,pipeline")
+    p.add_argument("--trainer-steps", type=int, default=5)
+    p.add_argument("--pipeline-steps", type=int, default=12)
+    p.add_argument("--shape", default=WORKLOAD["shape"], help="model shape")
+    p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny shape, short sequences")
+    p.add_argument("--work", default=None, help="where models and runs go (default: a temp dir)")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+
+    import torch
+
+    if args.smoke:
+        os.environ["GPU_PIPELINE_SMOKE"] = "1"
+        WORKLOAD.update(SMOKE)
+        args.shape = "tiny"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work or tempfile.mkdtemp(prefix="gpu-pipeline-"))
+    work.mkdir(parents=True, exist_ok=True)
+    gpus = torch.cuda.device_count()
+    f = out / "gpu_pipeline.json"
+    doc = json.loads(f.read_text()) if f.exists() else {}
+    doc.update({"device": f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else "cpu",
+                "workload": {**WORKLOAD, "shape": args.shape},
+                "command": "python benchmarks/gpu_pipeline.py " + " ".join(argv)})
+    model = model_dir(work, args.shape)
+    phases = [x for x in args.phases.split(",") if x]
+    for ph in phases:
+        if ph == "pipeline" and gpus < 2:
+            doc.setdefault("not_measured", {}).update({k: f"{gpus} GPU(s) here; the pipeline phase needs 2"
+                                                       for k in ("step_seconds_p50", "async_vs_sync",
+                                                                 "publish_to_served_p50_s")})
+            continue
+        t0 = time.time()
+        print(f"phase {ph} ...", flush=True)
+        fn = {"trainer": phase_trainer, "rollout": phase_rollout, "pipeline": phase_pipeline}[ph]
+        res = fn(args, work, model, out)
+        res[f"{ph}_phase_s"] = time.time() - t0
+        doc.update(res)
+        print(json.dumps(res, default=float)[:3000], flush=True)
+        f.write_text(json.dumps(finish(doc, gpus, out), indent=2, default=float))
+    doc = finish(doc, gpus, out)
+    f.write_text(json.dumps(doc, indent=2, default=float))
+    print(json.dumps({k: doc.get(k) for k in GOALS}, default=float), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
