@@ -36,7 +36,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from benchmarks._common import (  # noqa: E402
+    TARGETS,
+    delete_app,
+    free_port,
+    make_lora_payload,
+    make_merged_payload,
+    prompt_ids,
+    retire_all,
+    rss_bytes,
+    small_config,
+    summary,
+)
+
 TARGET_TINY_P50_S = 0.5
 TARGET_RANK1_P50_S = 1.0
 TARGET_BYTES_RATIO = 1000.0
@@ -45,16 +57,6 @@ QWEN15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, n
                rope_theta=1000000.0)
 TRANSPORT_APP = "adapter-sync-transport"
 TRANSPORT_REGISTRY = "adapter-sync-transport-registry"
-
-
-def pct(xs, q):
-    import numpy as np
-
-    return float(np.percentile(np.asarray(xs, dtype=float), q)) if xs else float("nan")
-
-
-def summary(xs) -> dict:
-    return {"p50": pct(xs, 50), "p95": pct(xs, 95), "mean": sum(xs) / len(xs) if xs else float("nan"), "n": len(xs)}
 
 
 def perturbed(tensors: dict, i: int) -> dict:
@@ -69,12 +71,10 @@ def perturbed(tensors: dict, i: int) -> dict:
 
 
 def full_path(args, model_dir: Path, registry, http_port: int) -> list[dict]:
-    import psutil
     import ray
 
     from common.adapter_io import make_meta
     from serve_deployments.app_builder import start_service, wait_healthy
-    from tests._serve_helpers import make_lora_payload, make_merged_payload, prompt_ids, retire_all, small_config
 
     base_adapters = [make_lora_payload(model_dir, seed=10 + i, rank=args.rank) for i in range(2)]
     base_merged = [make_merged_payload(model_dir, t, m) for t, m in base_adapters]
@@ -101,7 +101,7 @@ def full_path(args, model_dir: Path, registry, http_port: int) -> list[dict]:
         except Exception as e:  # too many engines for this machine's memory/time: report what ran
             row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:400]
             print(f"  R={R}: service did not start: {row['error']}", flush=True)
-            _delete_app(cfg.rollout.app_name)
+            delete_app(cfg.rollout.app_name)
             continue
         row["start_s"] = time.perf_counter() - t0
         print(f"  R={R}: service up in {row['start_s']:.1f}s", flush=True)
@@ -143,34 +143,18 @@ def full_path(args, model_dir: Path, registry, http_port: int) -> list[dict]:
                       f"{row[mode]['total_s']['p95'] * 1e3:7.1f} ms  (publish->served p50 "
                       f"{row[mode]['publish_to_served_s']['p50'] * 1e3:.1f} ms)", flush=True)
             st = handle.stats.remote().result()
-            row["replica_rss_gib"] = [round(_rss(s["pid"], psutil) / 2**30, 2) for s in st["replicas"]]
+            row["replica_rss_gib"] = [round(rss_bytes(s["pid"]) / 2**30, 2) for s in st["replicas"]]
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}"[:400]
             print(f"  R={R}: failed: {row['error']}", flush=True)
         finally:
-            _delete_app(cfg.rollout.app_name)
+            delete_app(cfg.rollout.app_name)
         if "adapter" in row and "merged" in row:
             row["latency_ratio_merged_over_adapter_p50"] = (
                 row["merged"]["total_s"]["p50"] / row["adapter"]["total_s"]["p50"]
             )
             row["bytes_ratio_merged_over_adapter"] = row["merged_nbytes"] / row["adapter_nbytes"]
     return rows
-
-
-def _rss(pid, psutil) -> int:
-    try:
-        return psutil.Process(pid).memory_info().rss
-    except Exception:
-        return 0
-
-
-def _delete_app(name: str) -> None:
-    from ray import serve
-
-    try:
-        serve.delete(name)
-    except Exception as e:
-        print(f"  (delete {name}: {e})", flush=True)
 
 
 # ---------------------------------------------------------------------------------------- (b) transport
@@ -182,24 +166,36 @@ def _transport_deployments():
 
     @serve.deployment(ray_actor_options={"num_cpus": 0.1})
     class SinkReplica:
-        """RolloutReplica's load path up to add_lora, without an engine."""
+        """RolloutReplica's load path up to the engine call, through the same production pieces and in the
+        same order (serve_deployments.replica `_load_locked` / `update_weights`): registry.get, fetch the
+        tensors, `adapter_store.verify_adapter` + `AdapterSlots.check_digest` (merged: `verify_merged`),
+        evict the `AdapterSlots.victim()`, `adapter_store.write_adapter_dir` on the replica's tmpfs scratch
+        (merged: the safetensors file update_weights writes), `AdapterSlots.add`. Only `add_lora` /
+        `load_merged_weights` (the engine) is left out. `merged_layers`: the merged payloads carry only the
+        first N decoder layers, so the shapes checked for completeness are those layers'."""
 
-        def __init__(self, registry_name: str, namespace: str, model_dir: str, max_rank: int):
+        def __init__(self, registry_name: str, namespace: str, model_dir: str, max_rank: int, max_loras: int,
+                     merged_layers: int):
             import ray
 
+            from serve_deployments.adapter_slots import AdapterSlots
             from serve_deployments.adapter_store import BaseModelShapes, scratch_root
 
             self._registry = ray.get_actor(registry_name, namespace=namespace)
             self._shapes = BaseModelShapes(model_dir)
+            self._merged_shapes = BaseModelShapes(model_dir)
+            layers = tuple(f"model.layers.{i}." for i in range(merged_layers))
+            self._merged_shapes.params = {n: s for n, s in self._shapes.params.items() if n.startswith(layers)}
             self._max_rank = max_rank
+            self._slots = AdapterSlots(max_loras)
             self._scratch = scratch_root("bench-sink")
-            self._last = None
 
         async def load_adapter(self, version: int) -> dict:
             from safetensors.torch import save_file
 
-            from common.adapter_io import verify_payload
-            from serve_deployments.adapter_store import remove_dir, verify_adapter, write_adapter_dir
+            from common.adapter_io import AdapterError
+            from common.types import policy_name
+            from serve_deployments.adapter_store import remove_dir, verify_adapter, verify_merged, write_adapter_dir
 
             t0 = time.perf_counter()
             entry = await self._registry.get.remote(version)
@@ -207,28 +203,37 @@ def _transport_deployments():
             tensors = await entry["ref"][0]
             t2 = time.perf_counter()
             meta = entry["meta"]
-            if meta["kind"] == "merged":  # digest + shapes (a fraction of the layers: no completeness check)
-                verify_payload(tensors, meta, self._shapes.params)
-            else:
-                verify_adapter(tensors, meta, self._shapes, self._max_rank)
+            try:
+                if meta["kind"] == "merged":
+                    verify_merged(tensors, meta, self._merged_shapes)
+                else:
+                    verify_adapter(tensors, meta, self._shapes, self._max_rank)
+                    self._slots.check_digest(version, meta["sha256"])
+            except (AdapterError, ValueError) as e:
+                raise RuntimeError(f"{policy_name(version)} rejected: {e}") from e
             t3 = time.perf_counter()
             if meta["kind"] == "merged":
-                path = self._scratch / f"merged-policy-v{version}.safetensors"
+                path = self._scratch / f"merged-{policy_name(version)}.safetensors"
                 save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+                t4 = time.perf_counter()
+                path.unlink(missing_ok=True)  # the replica deletes it once the engine loaded it
             else:
-                path = write_adapter_dir(tensors, meta, self._scratch, f"policy-v{version}-{meta['sha256'][:12]}")
-            t4 = time.perf_counter()
+                victim = self._slots.victim()
+                if victim is not None:
+                    remove_dir(self._slots.remove(victim))
+                name = policy_name(version)
+                path = write_adapter_dir(tensors, meta, self._scratch, f"{name}-{meta['sha256'][:12]}")
+                self._slots.add(version, str(path), meta["sha256"])
+                t4 = time.perf_counter()
             del tensors
-            if self._last is not None:  # keep one on tmpfs: it is RAM
-                remove_dir(self._last) if self._last.is_dir() else self._last.unlink(missing_ok=True)
-            self._last = path
             return {"registry_get_s": t1 - t0, "fetch_s": t2 - t1, "verify_s": t3 - t2, "write_s": t4 - t3,
                     "replica_total_s": t4 - t0, "pid": os.getpid()}
 
         def __del__(self):
-            import shutil
+            from serve_deployments.adapter_store import remove_dir
 
-            shutil.rmtree(getattr(self, "_scratch", "/nonexistent"), ignore_errors=True)
+            if getattr(self, "_scratch", None) is not None:
+                remove_dir(self._scratch)
 
     @serve.deployment(ray_actor_options={"num_cpus": 0.1})
     class SinkRouter:
@@ -310,8 +315,10 @@ def transport(args, tmp: Path) -> dict:
     n_layers = QWEN15B["num_hidden_layers"]
     registry = AdapterRegistry.options(name=TRANSPORT_REGISTRY, namespace=NAMESPACE).remote(keep=2)
     SinkReplica, SinkRouter = _transport_deployments()
+    # Two slots, as a replica under max_staleness 0: every publish after the second evicts one (the
+    # registry, keep=2, retires the oldest version at the same time).
     app = SinkRouter.bind(SinkReplica.options(num_replicas=args.transport_replicas).bind(
-        TRANSPORT_REGISTRY, NAMESPACE, str(model_dir), max(args.ranks)))
+        TRANSPORT_REGISTRY, NAMESPACE, str(model_dir), max(args.ranks), 2, args.merged_layers))
     t0 = time.perf_counter()
     handle = serve.run(app, name=TRANSPORT_APP, route_prefix=None)
     ray.get(registry.attach_router.remote(TRANSPORT_APP))
@@ -369,7 +376,7 @@ def transport(args, tmp: Path) -> dict:
                   f"p95 {row['total_s']['p95']:.3f}s", flush=True)
             del base
     finally:
-        _delete_app(TRANSPORT_APP)
+        delete_app(TRANSPORT_APP)
         ray.kill(registry)
     m = out["payloads"]["merged"]
     scale = m["scale_to_full"]
@@ -419,7 +426,6 @@ def main(argv=None) -> int:
 
     from app.tiny_model import ensure_model
     from common.registry import get_or_create_registry
-    from tests._serve_helpers import free_port
 
     model = ensure_model(REPO / "runs" / "tiny-model")
     tmp = Path(tempfile.mkdtemp(prefix="bench-adapter-sync-"))

@@ -54,28 +54,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._common import (  # noqa: E402
+    cpu_s_between,
+    delete_app,
+    free_port,
+    make_lora_payload,
+    process_tree_cpu_s,
+    publish,
+    ratio,
+    small_config,
+    summary,
+)
+
 TARGET_AFFINITY = 0.87
 TARGET_SPILL = 0.01
 TARGET_SPEEDUP = 1.3
-# name -> (router.policy, skip_generic). prefix_plain = the same PrefixPolicy with skip_generic=False:
-# plain longest match from the first block (the option exists on PrefixPolicy and on the Serve router's
-# initialize_state; no config key reaches it, so this benchmark adds it to the RequestRouterConfig).
+# name -> (router.policy, router.skip_generic). prefix_plain = the same PrefixPolicy with skip_generic=False:
+# plain longest match from the first block.
 POLICIES = {"prefix": ("prefix", True), "prefix_plain": ("prefix", False), "round_robin": ("round_robin", True),
             "serve_default": ("serve_default", True)}
-
-
-def pct(xs, q):
-    import numpy as np
-
-    return float(np.percentile(np.asarray(xs, dtype=float), q)) if xs else float("nan")
-
-
-def summary(xs) -> dict:
-    return {"p50": pct(xs, 50), "p95": pct(xs, 95), "mean": sum(xs) / len(xs) if xs else float("nan"), "n": len(xs)}
-
-
-def ratio(a, b):
-    return a / b if a is not None and b else None
 
 
 # ---------------------------------------------------------------------------------------- workload
@@ -111,24 +108,8 @@ def build_workload(args, model_dir: Path, block_size: int) -> dict:
 # ---------------------------------------------------------------------------------------- one policy
 
 
-def _router_config_with(skip_generic: bool):
-    """app_builder.router_config plus the policy's skip_generic (False = plain longest match)."""
-    from serve_deployments import app_builder
-
-    orig = app_builder.router_config
-
-    def patched(cfg):
-        rrc = orig(cfg)
-        if rrc is not None:
-            rrc.request_router_kwargs = dict(rrc.request_router_kwargs, skip_generic=skip_generic)
-        return rrc
-
-    return orig, patched
-
-
 def start(args, model_dir: Path, registry, port: int, name: str):
     from serve_deployments import app_builder
-    from tests._serve_helpers import small_config
 
     policy, skip_generic = POLICIES[name]
     cfg = small_config(model_dir, replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
@@ -137,42 +118,14 @@ def start(args, model_dir: Path, registry, port: int, name: str):
     cfg.rollout.http_port = port
     cfg.rollout.app_name = app_name(name)
     cfg.router.policy = policy
-    orig, patched = _router_config_with(skip_generic)
-    app_builder.router_config = patched
-    try:
-        handle = app_builder.start_service(cfg, registry=registry)
-    finally:
-        app_builder.router_config = orig
+    cfg.router.skip_generic = skip_generic
+    handle = app_builder.start_service(cfg, registry=registry)
     app_builder.wait_healthy(handle, timeout_s=args.start_timeout)
     return cfg, handle
 
 
 def app_name(policy: str) -> str:
     return f"routing-{policy.replace('_', '-')}"
-
-
-def _delete_app(name: str) -> None:
-    from ray import serve
-
-    try:
-        serve.delete(name)
-    except Exception as e:
-        print(f"  (delete {name}: {e})", flush=True)
-
-
-def _cpu_s(pids) -> float:
-    """CPU seconds (user + system, all threads) the replica processes used: vLLM runs in-process there
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0). Unlike wall time, barely moved by other jobs on the host."""
-    import psutil
-
-    total = 0.0
-    for pid in pids:
-        try:
-            t = psutil.Process(pid).cpu_times()
-            total += t.user + t.system
-        except Exception:
-            pass
-    return total
 
 
 def _counters(stats: dict) -> dict:
@@ -355,10 +308,11 @@ def run_policy(args, name: str, model_dir: Path, registry, port: int, wl_box: di
             handle.generate_group.remote(wl["warmup"], args.group, v, {"max_tokens": 2, "ignore_eos": True}).result()
         st0 = handle.stats.remote().result()
         pids = [s["pid"] for s in st0["replicas"]]
-        cpu0 = _cpu_s(pids)
+        cpu0 = process_tree_cpu_s(pids)
         c0 = _counters(st0)
         groups, wall = throughput_pass(args, handle, wl)
-        cpu1 = _cpu_s(pids)
+        cpu1 = process_tree_cpu_s(pids)
+        cpu_s = cpu_s_between(cpu0, cpu1)
         c1 = _counters(handle.stats.remote().result())
         eng = _delta(c0, c1)
         prompt_toks = sum(len(g["tokens"]) * args.group for g in groups)
@@ -376,8 +330,8 @@ def run_policy(args, name: str, model_dir: Path, registry, port: int, wl_box: di
             "prompt_tokens": prompt_toks, "output_tokens": out_toks,
             "tokens_per_s": (prompt_toks + out_toks) / wall, "output_tokens_per_s": out_toks / wall,
             "computed_prompt_tokens": eng["queries"] - eng["hits"],
-            "replica_cpu_s": cpu1 - cpu0,
-            "tokens_per_replica_cpu_s": (prompt_toks + out_toks) / (cpu1 - cpu0) if cpu1 > cpu0 else None,
+            "replica_cpu_s": cpu_s, "replica_processes": len(cpu1),
+            "tokens_per_replica_cpu_s": (prompt_toks + out_toks) / cpu_s if cpu_s > 0 else None,
             "group_latency_s": summary([g["latency_s"] for g in groups]),
             "engine": eng, "placement": pl, "requests_per_replica": per_rep,
             "router": eng["router"],
@@ -395,7 +349,7 @@ def run_policy(args, name: str, model_dir: Path, registry, port: int, wl_box: di
         row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:400]
         print(f"  {name}: failed: {row['error']}", flush=True)
     finally:
-        _delete_app(app_name(name))
+        delete_app(app_name(name))
     return row
 
 
@@ -433,7 +387,7 @@ def report(doc: dict) -> dict:
           "aff 1st / aff rev = engine-measured affinity (replica ids in responses) on first-sight groups (ceiling "
           f"{(G - 1) / G:.3f}) / revisits (ceiling 1.0); plc/eng = hit tokens implied by that placement / engine hit "
           "tokens; rtr = router counters (pred hit in tokens, like eng hit); tok/s = (prompt + output tokens) / wall; "
-          "tok/cpu-s = the same per CPU second of the replica processes "
+          "tok/cpu-s = the same per CPU second of the replica processes and their children (engine core) "
           "(robust to other jobs on the host); TTFT = streaming REST pass")
 
     ratios, met, why = {}, {}, {}
@@ -606,7 +560,6 @@ def main(argv=None) -> int:
 
     from app.tiny_model import ensure_model
     from common.registry import get_or_create_registry
-    from tests._serve_helpers import free_port, make_lora_payload, publish
 
     model = ensure_model(REPO / "runs" / "tiny-model")
     # address="local": always our own instance, even when another job left a `ray start` cluster around.
@@ -633,8 +586,11 @@ def main(argv=None) -> int:
                                "handle path); output_tokens_per_s = generated only",
                "ttft": "separate pass: fresh questions (same system prompt) through the streaming REST path, G "
                        "concurrent streams per group, same concurrency; TTFT = first SSE chunk",
-               "prefix_plain": "PrefixPolicy(skip_generic=False): plain longest match from the first block; set "
-                               "through the Serve router's request_router_kwargs by this benchmark (no config key)"}}
+               "prefix_plain": "router.skip_generic=false: plain longest match from the first block",
+               "tokens_per_replica_cpu_s": "(prompt + generated tokens) / CPU seconds (user + system) of the replica "
+                                           "processes and all their descendants (vLLM's engine core when it runs "
+                                           "in its own process) over the throughput pass; replica_processes = "
+                                           "processes counted"}}
     wl_box: dict = {}
     try:
         port = free_port()
