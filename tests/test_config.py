@@ -38,6 +38,7 @@ def test_overrides_are_typed(tmp_path):
     (["lora.rank=16", "rollout.max_lora_rank=8"], "lora.rank"),
     (["rollout.max_lora_rank=12"], "rollout.max_lora_rank"),
     (["grpo.loss_agg=sum"], "grpo.loss_agg"),
+    (["model.dtype=fp8"], "model.dtype"),
     (["train.total_steps=ten"], "train.total_steps"),
     (["router.policy=random"], "router.policy"),
     (["run.mode=lockstep"], "run.mode"),
@@ -90,3 +91,14 @@ def test_describe_lists_every_key():
     text = C.describe()
     for key in ("grpo.lr", "sync.max_staleness", "router.policy", "train.zero_stage", "rollout.admin_token"):
         assert key in text
+
+
+def test_allowed_values_are_one_literal():
+    """grpo.loss_agg and model.dtype: the Literal in common/config.py is what the validator accepts and what
+    `train --help` prints; auto dtype is decided by resolve_dtype alone."""
+    assert C.LOSS_AGGS == ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+    for agg in C.LOSS_AGGS:
+        assert C.load(None, [f"grpo.loss_agg={agg}"]).grpo.loss_agg == agg
+    assert "grpo.loss_agg (" + " | ".join(C.LOSS_AGGS) in C.describe()
+    assert C.load(None, ["train.use_gpu=true"]).torch_dtype == C.resolve_dtype("auto", True) == "bfloat16"
+    assert C.resolve_dtype("float16", False) == "float16"
