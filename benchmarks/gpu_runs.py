@@ -56,6 +56,8 @@ def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command
         "reward_z": proportion_z(rows[:k], rows[-k:], n) if len(rows) >= 4 else None,
         "step1_log_ratio_abs_mean": rows[0].get("log_ratio_abs_mean") if rows else None,
         "log_ratio_abs_mean_p50": _p50([r.get("log_ratio_abs_mean") for r in rows]),
+        # Over samples of the trainer's current version only: the engines' mismatch without policy drift.
+        "log_ratio_fresh_p50": _p50([r.get("log_ratio_fresh") for r in rows]),
         "step_seconds_p50": _p50([r.get("step_seconds") for r in steady]),
         "learn_seconds_p50": _p50([r.get("learn_seconds") for r in steady]),
         "train_tokens_per_s_p50": _p50([r.get("train_tokens_per_s") for r in steady]),
@@ -76,6 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("run", choices=list(RUNS))
     p.add_argument("--merge", action="store_true", help="sync.mode=merge")
     p.add_argument("--set", action="append", default=[], help="extra config overrides")
+    p.add_argument("--tag", default=None, help="record name (default: RUN, plus -merge)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args(argv)
 
@@ -85,7 +88,7 @@ def main(argv=None) -> int:
     from common import config as C
 
     recipe, sets, gpus = RUNS[args.run]
-    name = args.run + ("-merge" if args.merge else "")
+    name = args.tag or args.run + ("-merge" if args.merge else "")
     sets = sets + (["sync.mode=merge"] if args.merge else []) + [f"run.name={name}", "run.out_dir=runs/gpu"] + args.set
     cfg = C.load(str(REPO / recipe), sets)
     ray.init(address="local", num_gpus=gpus, include_dashboard=False,
@@ -114,6 +117,8 @@ def main(argv=None) -> int:
     doc = json.loads(f.read_text()) if f.exists() else {}
     doc[name] = rec
     f.write_text(json.dumps(doc, indent=2, default=float))
+    # The per-step rows behind the record (reward curve, log ratios, timings).
+    (out / f"gpu_runs-{name}.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(json.dumps(rec, indent=2, default=float), flush=True)
     ray.shutdown()
     return 0 if error is None else 1
