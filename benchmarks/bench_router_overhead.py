@@ -1,4 +1,4 @@
-"""Cost of one prefix-aware routing decision (PrefixPolicy.choose + completion), without Serve.
+"""Cost of one prefix-aware routing decision (RoutingPolicy.choose + completion), without Serve.
 
 For 1k-token prompts (GRPO groups: G requests per prompt, prompts sharing a chat-template/system
 prefix) with 2, 8 and 64 replicas whose tables each hold `--tracked` block hashes (steady state: the
@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from serve_deployments.prefix_hash import route_key  # noqa: E402
-from serve_deployments.request_router import PrefixPolicy  # noqa: E402
+from serve_deployments.request_router import RoutingPolicy  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results"
 
@@ -31,7 +31,7 @@ def make_prompts(n: int, tokens: int, system_tokens: int, rng: random.Random) ->
     return [system + [rng.randrange(50_000) for _ in range(tokens - system_tokens)] for _ in range(n)]
 
 
-def fill(pol: PrefixPolicy, replicas: int, tracked: int, block_size: int) -> float:
+def fill(pol: RoutingPolicy, replicas: int, tracked: int, block_size: int) -> float:
     """Fill every replica's LRU to `tracked` blocks with synthetic prompt chains (fast path: no
     hashing of token ids, random 64-bit hashes chained per prompt)."""
     t0 = time.perf_counter()
@@ -46,7 +46,7 @@ def fill(pol: PrefixPolicy, replicas: int, tracked: int, block_size: int) -> flo
 
 def bench(replicas: int, tracked: int, block_size: int, decisions: int, group: int, policy: str) -> dict:
     rng = random.Random(0)
-    pol = PrefixPolicy(policy=policy, imbalance=8, max_tracked_blocks=tracked)
+    pol = RoutingPolicy(policy=policy, imbalance=8, max_tracked_blocks=tracked)
     pol.set_replicas([f"replica-{i:03d}" for i in range(replicas)])
     fill_s = fill(pol, replicas, tracked, block_size)
     pol.counters = dict.fromkeys(pol.COUNTERS, 0)
@@ -84,7 +84,7 @@ def quality(replicas: int, groups: int, group: int, block_size: int, service_tic
     """Routing quality on a synthetic GRPO stream (not timing): one group of G requests per tick,
     every prompt = a shared system prompt + its own question, each request in flight for
     `service_ticks` ticks; 1 in 4 groups repeats an earlier prompt (a prompt seen again next epoch)."""
-    pol = PrefixPolicy(policy="round_robin" if mode == "round_robin" else "prefix", imbalance=8,
+    pol = RoutingPolicy(policy="round_robin" if mode == "round_robin" else "prefix", imbalance=8,
                        skip_generic=(mode != "prefix_plain"))
     pol.set_replicas([f"r{i}" for i in range(replicas)])
     system = [rng.randrange(50_000) for _ in range(2 * block_size + 20)]
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = "router_overhead_quick" if args.quick else "router_overhead"
     meta = {"python": sys.version.split()[0], "quick": args.quick, "group": args.group,
-            "prompt_tokens": 1024, "note": "single thread; decision = PrefixPolicy.choose + completion bookkeeping; "
+            "prompt_tokens": 1024, "note": "single thread; decision = RoutingPolicy.choose + completion bookkeeping; "
                                  "us_per_decision = best of 5 chunks (shared host), median alongside"}
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "quality": qrows}, indent=2))
     try:

@@ -18,15 +18,21 @@ from serve_deployments.ingress import ADMIN_TOKEN_ENV, Router
 logger = logging.getLogger(__name__)
 
 
+def routing_options(cfg: Config) -> dict | None:
+    """The ingress's `RoutingPolicy(**routing_options(cfg))`; None = router.policy serve_default."""
+    r = cfg.router
+    if r.policy == "serve_default":
+        return None
+    return {"policy": r.policy, "imbalance": r.imbalance, "max_tracked_blocks": r.max_tracked_blocks,
+            "skip_generic": r.skip_generic}
+
+
 def router_config(cfg: Config) -> RequestRouterConfig | None:
-    """router.policy -> the replica deployment's request router; None = Serve's built-in one."""
+    """The replica deployment's request router: PolicyRouter, which asks the ingress's policy through each
+    call's RouteTicket; None = Serve's built-in one (router.policy serve_default)."""
     if cfg.router.policy == "serve_default":
         return None
-    return RequestRouterConfig(
-        request_router_class="serve_deployments.request_router:PrefixAwareRouter",
-        request_router_kwargs={"policy": cfg.router.policy, "imbalance": cfg.router.imbalance,
-                               "max_tracked_blocks": cfg.router.max_tracked_blocks,
-                               "skip_generic": cfg.router.skip_generic})
+    return RequestRouterConfig(request_router_class="serve_deployments.request_router:PolicyRouter")
 
 
 def build_app(cfg: Config, registry_name: str, registry_namespace: str) -> serve.Application:
@@ -43,7 +49,7 @@ def build_app(cfg: Config, registry_name: str, registry_namespace: str) -> serve
     ingress = Router.options(ray_actor_options={
         "num_cpus": 0.1, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}})
     return ingress.bind(replica, str(cfg.model.path), cfg.rollout.replicas, registry_name, registry_namespace, token,
-                        cfg.router.policy, max_inflight_per_replica(cfg), cfg.rollout.max_body_bytes)
+                        routing_options(cfg), max_inflight_per_replica(cfg), cfg.rollout.max_body_bytes)
 
 
 def max_inflight_per_replica(cfg: Config) -> int:

@@ -25,9 +25,10 @@ Served-version proof: a completion's `model` is the exact version that produced 
 when `policy-latest` was asked, `base` for the base model) and the response carries
 `x-policy-version` and `x-adapter-sha256` (the digest of the adapter the replica used).
 
-Routing happens in the replica handle's RequestRouter (request_router.PrefixAwareRouter): every call
-that carries a prompt passes its route key as the `route` kwarg. State changes go to every replica
-with `DeploymentHandle.broadcast`.
+Routing: this deployment owns the RoutingPolicy (router.policy prefix or round_robin; its counters are
+`stats()["router"]`). Every replica call goes through replica_calls.ReplicaCall: a call that carries a
+prompt brings a RouteTicket (policy + route key) to `choose_replica`, where the replica deployment's
+PolicyRouter asks it. State changes go to every replica with `DeploymentHandle.broadcast`.
 
 Liveness: the AdapterRegistry owns which versions are live (it marks one live only after
 `load_adapter` here returned, i.e. after every replica acknowledged); this deployment only withholds
@@ -43,7 +44,6 @@ import math
 import os
 import re
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -54,8 +54,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.names import BASE_NAME
 from common.types import POLICY_LATEST, parse_policy_name, policy_name
-from serve_deployments.prefix_hash import ROUTE_KWARG, route_key
-from serve_deployments.request_router import local_policy
+from serve_deployments.prefix_hash import route_key
+from serve_deployments.replica_calls import ReplicaCall, call_replica
+from serve_deployments.request_router import RouteTicket, RoutingPolicy
 
 logger = logging.getLogger("ray.serve")
 
@@ -160,12 +161,6 @@ def _version(text: str) -> int:
     if v is None or v < 1:
         raise APIError(400, "not a policy version (1, 2, ... or policy-vN)", param="version")
     return v
-
-
-def _per_call(kw: dict) -> dict:
-    """Give each call its own id in the route key: Serve's internal request id is shared by every call
-    made while serving one request, and the router tracks calls (in flight, completion) one by one."""
-    return {k: dict(v, call=uuid.uuid4().hex) for k, v in kw.items()}
 
 
 def _base_id(model_path: str) -> str:
@@ -314,7 +309,7 @@ def _check_messages(msgs) -> list[dict]:
 class Router:
     def __init__(self, replica: DeploymentHandle, model_path: str, num_replicas: int,
                  registry_name: str, registry_namespace: str, admin_token: str | None = None,
-                 router_policy: str = "prefix", max_inflight_per_replica: int | None = None,
+                 routing: dict | None = None, max_inflight_per_replica: int | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         from transformers import AutoTokenizer
 
@@ -331,8 +326,8 @@ class Router:
         self._unloaded: set[int] = set()
         self._merged_version = 0  # merge mode: the base weights now are this version's
         self._ctl = asyncio.Lock()  # one state change at a time: loads, unloads, weight updates
-        # Serve's built-in router would pass the route key on to the replica, which takes none.
-        self._routed = router_policy != "serve_default"
+        # RoutingPolicy(**routing): prefix or round robin; None = Serve's own router (serve_default).
+        self._policy = RoutingPolicy(**routing) if routing else None
         self._max_inflight = max(1, int(max_inflight_per_replica or DEFAULT_INFLIGHT_PER_REPLICA)) * num_replicas
         self._max_body = int(max_body_bytes)
         self._inflight = 0  # REST sequences + rollout calls now at the replicas
@@ -351,7 +346,7 @@ class Router:
 
     async def _engine_info(self) -> dict:
         if self._engine is None:
-            self._engine = await self._replica.engine_info.remote()
+            self._engine = await call_replica(self._replica, "engine_info")
         return self._engine
 
     async def live_versions(self) -> list[int]:
@@ -368,14 +363,18 @@ class Router:
         raise APIError(404, f"{policy_name(version) if version > 0 else 'base'} is not live "
                             f"(live: {[policy_name(v) for v in live]})", "not_found_error", "model")
 
-    async def _key(self, token_ids: list[int], version: int) -> dict:
-        """`{ROUTE_KWARG: key}` for a replica call, or {} under Serve's built-in router."""
-        if not self._routed:
-            return {}
+    async def _key(self, token_ids: list[int], version: int) -> dict | None:
+        """The prompt's route key under `version`, or None under Serve's built-in router."""
+        if self._policy is None:
+            return None
         bs = (await self._engine_info())["block_size"]
         if version > 0 and version != self._merged_version:
-            return {ROUTE_KWARG: route_key(token_ids, bs, policy_name(version))}
-        return {ROUTE_KWARG: route_key(token_ids, bs, None, salt=f"merged-v{version}" if version else "")}
+            return route_key(token_ids, bs, policy_name(version))
+        return route_key(token_ids, bs, None, salt=f"merged-v{version}" if version else "")
+
+    def _ticket(self, key: dict | None) -> RouteTicket | None:
+        """One call's routing request (each call its own: the policy tracks calls one by one)."""
+        return RouteTicket(self._policy, key) if self._policy is not None else None
 
     async def _broadcast(self, method: str, *args, timeout_s: float = BROADCAST_TIMEOUT_S
                          ) -> tuple[list, list[BaseException]]:
@@ -427,14 +426,14 @@ class Router:
         finally:
             self._inflight -= n
 
-    async def _generate_retrying(self, req: dict, key: dict) -> dict:
+    async def _generate_retrying(self, req: dict, key: dict | None) -> dict:
         """One sample; when its replica dies mid-call, the same request (same pinned version) goes
         through the handle again, a few times with backoff, within REPLICA_RETRY_DEADLINE_S. Errors the
         replica raised on purpose (4xx, bad version) are raised at once."""
         deadline = time.monotonic() + REPLICA_RETRY_DEADLINE_S
         for attempt in range(REPLICA_RETRY_ATTEMPTS):
             try:
-                return await self._replica.generate.remote(req, **_per_call(key))
+                return await call_replica(self._replica, "generate", req, ticket=self._ticket(key))
             except Exception as e:
                 left = deadline - time.monotonic()
                 if not _replica_lost(e) or attempt == REPLICA_RETRY_ATTEMPTS - 1 or left <= 0:
@@ -508,12 +507,11 @@ class Router:
         (in flight, limit, 429/413/4xx answers, version mismatches) and every replica's own stats,
         including vLLM's prefix-cache hits and queries."""
         ok, errors = await self._broadcast("stats")
-        policy = local_policy(self._replica.app_name, self._replica.deployment_name)
-        if policy is None:
+        if self._policy is None:
             router = {"policy": "serve_default"}
         else:
-            with policy.lock:
-                router = policy.snapshot()
+            with self._policy.lock:
+                router = self._policy.snapshot()
         hits = sum(s.get("prefix_cache_hits", 0) for s in ok)
         queries = sum(s.get("prefix_cache_queries", 0) for s in ok)
         return {"router": router, "replicas": sorted(ok, key=lambda s: str(s.get("replica_id"))),
@@ -601,7 +599,7 @@ class Router:
                 release()
                 raise
         try:
-            out = await self._replica.openai.remote(path, body, **_per_call(key))
+            out = await call_replica(self._replica, "openai", path, body, ticket=self._ticket(key))
         except Exception as e:  # the replica died or refused the call
             return self._replica_failure(path, e).response()
         finally:
@@ -637,41 +635,61 @@ class Router:
         return APIError(503, "no replica could serve this request; retry", "server_error",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    async def _stream(self, path: str, body: dict, key: dict, version: int, release: _Once):
+    async def _stream(self, path: str, body: dict, key: dict | None, version: int, release: _Once):
         """SSE relay. The first chunk is awaited before answering, so a request the replica refuses
-        gets its 4xx status instead of a 200 stream holding an error."""
-        gen = self._replica.options(stream=True).openai_stream.remote(path, body, **_per_call(key))
+        gets its 4xx status instead of a 200 stream holding an error. The replica call stays open
+        until the relay ends (Serve's rule for a dispatched stream)."""
+        call = ReplicaCall(self._replica, "openai_stream", self._ticket(key), stream=True)
+        gen = None
         try:
+            await call.open()
+            gen = call.send(path, body)
             first = await gen.__anext__()
         except StopAsyncIteration:
             first = None
         except Exception as e:
-            release()
+            await self._end_stream(call, gen, release)
             return self._replica_failure(path, e).response()
         err = _sse_error(first)
         if err is not None:
-            release()
+            await self._end_stream(call, gen, release)
             status = int(err.get("status_code") or err["error"].get("code") or 400)
             e = err["error"]
             return _json(error_body(status, str(e.get("message", "")), _openai_type(status), e.get("param")), status)
         # Headers leave before the replica's last chunk: the digest is the registry's for the
         # version this request was pinned to (every chunk's `model` names that version).
-        headers = self._version_headers(version, await self.registry_sha(version))
-        return StreamingResponse(self._relay(first, gen, release), media_type="text/event-stream", headers=headers)
+        try:
+            headers = self._version_headers(version, await self.registry_sha(version))
+        except BaseException:
+            await self._end_stream(call, gen, release)
+            raise
+        return StreamingResponse(self._relay(first, gen, call, release), media_type="text/event-stream",
+                                 headers=headers)
 
     @staticmethod
-    async def _relay(first, gen, release):
+    async def _end_stream(call: ReplicaCall, gen, release: _Once, finished: bool = False) -> None:
+        try:
+            if gen is not None and not finished:
+                gen.cancel()  # the client left (or the first chunk failed): stop generating
+            await call.close()
+        finally:
+            release()
+
+    async def _relay(self, first, gen, call: ReplicaCall, release: _Once):
+        finished = False
         try:
             if first is not None:
                 yield first
             async for chunk in gen:
                 yield chunk
+            finished = True
         except Exception as e:  # headers are sent: report in-band, the way vLLM does
+            finished = True
             body = error_body(500, _short(e), "server_error")
             yield f"data: {json.dumps(body, ensure_ascii=True)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            release()
+            await self._end_stream(call, gen, release, finished)
 
     async def _body(self, request: Request) -> dict:
         length = request.headers.get("content-length")

@@ -16,10 +16,6 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-# Keyword argument under which a request carries its route key to the RequestRouter (which reads it
-# from `pending_request.kwargs`); the replica methods take and ignore it.
-ROUTE_KWARG = "route"
-
 _DOMAIN = b"lora-grpo/prefix/1\0"
 
 

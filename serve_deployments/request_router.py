@@ -1,40 +1,40 @@
-"""Prefix-aware routing: the pure decision (`PrefixPolicy`) and the Serve RequestRouter that runs it.
+"""Prefix-aware routing: the decision (`RoutingPolicy`), the per-call request that carries it to Serve
+(`RouteTicket`), and the Serve RequestRouter that asks it (`PolicyRouter`).
 
-`PrefixAwareRouter` is attached to the rollout replica deployment (`request_router_config`) and so
-runs inside every DeploymentHandle to it, i.e. inside the ingress. The ingress puts a route key
-(prefix_hash.route_key: the prompt's chained block hashes, seeded by adapter) into each request's
-kwargs; the router reads it from `pending_request.kwargs` and removes it before the request is sent.
+Who does what (DESIGN.md section 2, "Routing"):
+- the ingress owns one `RoutingPolicy` (its state and counters: `Ingress.stats` reads them there);
+- for each replica call it makes a `RouteTicket` (the policy, the prompt's route key from
+  prefix_hash.route_key, a call id) and passes it to the public `DeploymentHandle.choose_replica(route=ticket)`;
+  the call's own arguments go to `dispatch(selection, ...)`, so the replica never sees routing data;
+- `PolicyRouter.choose_replicas` (the replica deployment's `request_router_config`, running inside the
+  ingress's handle) reads the ticket from `pending_request.kwargs` and returns the policy's ranking;
+- the ingress reports where the call went (`RouteTicket.routed`) and when it ended (`RouteTicket.done`).
+Calls go through serve_deployments/replica_calls.py, which also says why each starts in a fresh context.
 
-The decision (DESIGN.md section 2, "Routing"):
+The decision:
 - per replica, an LRU of the block hashes sent there (bounded by router.max_tracked_blocks);
 - blocks every replica holds, or blocks followed by 2+ different next blocks (chat template, shared
-  system prompt) identify no prompt: match only on the prompt-specific blocks past them;
+  system prompt) identify no prompt: match only on the prompt-specific blocks past them
+  (router.skip_generic; false = plain longest match from the first block);
 - the replica with the longest match wins (round robin among ties), unless it has router.imbalance
   or more requests in flight than the least-loaded one: then spill there;
-- no match: least loaded, round robin among ties;
+- no match: least loaded, round robin among ties; router.policy round_robin: round robin only;
 - counters: affinity / spill / unmatched requests, and the cache-hit blocks this predicts.
-
-Serve 2.60 facts this relies on (read in ray/serve/_private/router.py, request_router/):
-- Serve cloudpickles the router class by value: shared state lives in this module, imported at run
-  time (`shared_policy`), one policy per target deployment per process;
-- every handle call made while serving one request shares that request's internal id, so the route
-  key carries a per-call id, completion is tracked on the call's result, and a chosen replica is
-  handed to the exact call it was chosen for (`_fulfill_next_pending_request`);
-- `choose_replicas` must set `routing_context.should_backoff`, or Serve retries without sleeping.
 """
 from __future__ import annotations
 
 import threading
+import uuid
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from ray.serve.request_router import LocalityMixin, MultiplexMixin, RequestRouter
+from ray.serve.request_router import RequestRouter
 
-from serve_deployments.prefix_hash import ROUTE_KWARG
+from common.config import ROUTING_POLICIES
+from serve_deployments.replica_calls import ROUTE_KWARG
 
 _MANY = -1  # in `_children`: this block was followed by 2+ different blocks
-FALLBACK_AFTER_TRIES = 3  # routing attempts (with Serve's backoff between) before other replicas are offered
 
 
 @dataclass
@@ -45,8 +45,9 @@ class Decision:
     predicted_hit_blocks: int  # blocks from the start the chosen replica holds (capped like vLLM)
 
 
-class PrefixPolicy:
-    """Routing state and decision, free of Ray (unit-tested and benchmarked directly).
+class RoutingPolicy:
+    """Routing state and decision (router.policy prefix or round_robin), free of Ray: unit-tested and
+    benchmarked directly.
 
     Replica ids are any hashables; `ranked()` orders them by id so round robin is deterministic.
     Block ownership is a bitmask per hash (one bit per replica slot): "held by every replica" is a
@@ -59,8 +60,8 @@ class PrefixPolicy:
 
     def __init__(self, policy: str = "prefix", imbalance: int = 8, max_tracked_blocks: int = 100_000,
                  skip_generic: bool = True):
-        if policy not in ("prefix", "round_robin"):
-            raise ValueError(f"PrefixPolicy: policy {policy!r} is not prefix or round_robin")
+        if policy not in ROUTING_POLICIES or policy == "serve_default":  # serve_default: Serve's router, not this
+            raise ValueError(f"RoutingPolicy: policy {policy!r} is not prefix or round_robin")
         self.policy = policy
         self.imbalance = imbalance
         self.max_tracked_blocks = max_tracked_blocks
@@ -75,7 +76,8 @@ class PrefixPolicy:
         self._pos: dict[Hashable, int] = {}
         self._rr = 0
         self.counters = dict.fromkeys(self.COUNTERS, 0)
-        self.lock = threading.Lock()  # for callers on several threads (Serve routers); not taken here
+        # Taken by RouteTicket, not here: tickets call in from Serve's router thread and the ingress's loop.
+        self.lock = threading.Lock()
 
     # ------------------------------------------------------------ replica set
 
@@ -131,7 +133,7 @@ class PrefixPolicy:
         else:
             cands = sorted((r for r in candidates if r in self._slot), key=self._pos.__getitem__)
         if not cands:
-            raise RuntimeError("PrefixPolicy.choose: no replicas")
+            raise RuntimeError("RoutingPolicy.choose: no replicas")
         prev = self._assigned.get(request_id) if request_id is not None else None
         if prev is not None and prev[0] in cands:
             return prev[1]  # Serve retrying the same request: keep the decision (and its counts)
@@ -251,7 +253,7 @@ class PrefixPolicy:
             return
         hashes = (key or {}).get("hashes") or []
         hit_cap = (key or {}).get("hit_cap", len(hashes))
-        if prev is None:  # Serve gave it a replica chosen for another call of the same request id
+        if prev is None:  # its decision was dropped meanwhile (its replica left): count it here
             prev = (replica, Decision(replica, "unmatched", 0, 0), hit_cap)
             self.counters["requests"] += 1
             self.counters["unmatched"] += 1
@@ -276,149 +278,71 @@ class PrefixPolicy:
             "policy": self.policy,
             "affinity_rate": c["affinity"] / routed,
             "predicted_hit_rate": c["predicted_hit_blocks"] / max(1, c["cacheable_blocks"]),
-            "replicas": {str(getattr(r, "unique_id", r)): {"inflight": self.load(r),
-                                                           "tracked_blocks": self.tracked_blocks(r)}
+            "replicas": {str(r): {"inflight": self.load(r), "tracked_blocks": self.tracked_blocks(r)}
                          for r in self._order},
         })
         return c
 
 
+# ---------------------------------------------------------------- one call's routing request
+
+FALLBACK_AFTER_TRIES = 3  # routing attempts (with Serve's backoff between) before other replicas are offered
+
+
+class RouteTicket:
+    """What `choose_replica(route=ticket)` hands to `PolicyRouter` for one replica call: the ingress's
+    policy, the prompt's route key (None: load only) and an id of its own (Serve's request ids are
+    shared by every call made while serving one request). Replica ids are Serve's `unique_id` strings."""
+
+    __slots__ = ("policy", "key", "call", "tries")
+
+    def __init__(self, policy: RoutingPolicy, key: dict | None):
+        self.policy, self.key, self.call, self.tries = policy, key, uuid.uuid4().hex, 0
+
+    def rank(self, replica_ids: list[str]) -> list[list[str]]:
+        """Serve asks (again on every retry): the policy's choice first, the rest by load. The first
+        tries offer only the choice: a queue-length probe that is merely slow (a busy host) must not
+        send a group member elsewhere; load is the policy's call (spill), Serve's fallback is for a
+        replica that stays full."""
+        self.tries += 1
+        pol = self.policy
+        with pol.lock:
+            if set(replica_ids) != set(pol.replicas):  # Serve offers every replica it routes to
+                pol.set_replicas(replica_ids)
+            d = pol.choose(self.key, self.call, candidates=replica_ids)
+            ranks = pol.ranked(d.replica, replica_ids)
+        return ranks[:1] if self.tries <= FALLBACK_AFTER_TRIES else ranks
+
+    def routed(self, replica_id: str) -> None:
+        """Where Serve sent the call (another replica than the choice only when that one stayed full)."""
+        with self.policy.lock:
+            self.policy.routed(self.call, replica_id, self.key)
+
+    def done(self) -> None:
+        with self.policy.lock:
+            self.policy.completed(self.call)
+
+
 # ---------------------------------------------------------------- the Serve RequestRouter
 
-# One policy per target deployment per process, shared by every RequestRouter instance Serve makes
-# for it here (one per handle; it may also build one twice in a race): they route to the same
-# replicas, so they must agree on what each replica holds. The ingress reads counters from here.
-_POLICIES: dict[tuple[str, str], PrefixPolicy] = {}
-_POLICIES_LOCK = threading.Lock()
+class PolicyRouter(RequestRouter):
+    """The replica deployment's request router: asks the call's RouteTicket, if it has one; a call
+    without one (e.g. `engine_info`) may go to any replica, the least loaded by Serve's probes.
 
-
-def shared_policy(app: str, deployment: str, **kwargs) -> PrefixPolicy:
-    with _POLICIES_LOCK:
-        pol = _POLICIES.get((app, deployment))
-        if pol is None:
-            pol = _POLICIES[(app, deployment)] = PrefixPolicy(**kwargs)
-        return pol
-
-
-def local_policy(app: str, deployment: str) -> PrefixPolicy | None:
-    with _POLICIES_LOCK:
-        return _POLICIES.get((app, deployment))
-
-
-def _call_id(pending_request, key: dict | None) -> str | None:
-    """Identity of one call: the ingress's per-call id, else Serve's internal request id (shared by
-    all calls made while serving one request, so only good for calls made one at a time)."""
-    if key is not None and "call" in key:
-        return key["call"]
-    return pending_request.metadata.internal_request_id if pending_request is not None else None
-
-
-def route_key_of(pending_request) -> dict | None:
-    """The request's route key. The router consumes it: it is taken out of the kwargs on first sight
-    (and kept on the PendingRequest for retries), so replica methods never see routing metadata."""
-    if pending_request is None:
-        return None
-    key = getattr(pending_request, "_route_key", None)
-    if key is None and ROUTE_KWARG in pending_request.kwargs:
-        key = pending_request.kwargs.pop(ROUTE_KWARG)
-        pending_request._route_key = key
-    return key if isinstance(key, dict) else None
-
-
-class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
-    """Serve RequestRouter running `PrefixPolicy` (router.policy prefix or round_robin).
-
-    No FIFOMixin on purpose: the replica chosen for a request must serve *that* request (Serve's
-    default exact match on the internal request id), or affinity decisions land on other prompts.
-
-    Serve cloudpickles this class *by value* (RequestRouterConfig registers its module for it), so
-    module globals it touched would be copies: state and registration go through the module
-    imported at run time instead.
+    Serve cloudpickles this class by value (RequestRouterConfig), so it refers to no class of this
+    module (a by-value copy would fail isinstance): the ticket is duck-typed. No FIFOMixin: the replica
+    chosen for a call must serve that call.
     """
 
-    def initialize_state(self, policy: str = "prefix", imbalance: int = 8,
-                         max_tracked_blocks: int = 100_000, skip_generic: bool = True) -> None:
-        from serve_deployments import request_router as impl
-
-        self.policy = impl.shared_policy(self._deployment_id.app_name, self._deployment_id.name, policy=policy,
-                                         imbalance=imbalance, max_tracked_blocks=max_tracked_blocks,
-                                         skip_generic=skip_generic)
-
-    def _policy(self) -> PrefixPolicy:
-        if not hasattr(self, "policy"):  # called before initialize_state: defaults until then
-            self.initialize_state()
-        return self.policy
-
     async def choose_replicas(self, candidate_replicas, pending_request=None):
-        if not candidate_replicas:
-            return []
-        if pending_request is not None:
-            # Serve retries a choice whose replicas were all full or slow to answer their queue-length
-            # probe; without this flag (set by its locality/multiplex helpers, which we do not use) it
-            # retries at once, in a hot loop that starves the very probes it waits for.
-            pending_request.routing_context.should_backoff = True
-        policy = self._policy()
-        by_id = {r.replica_id: r for r in candidate_replicas}
-        key = route_key_of(pending_request)
-        request_id = _call_id(pending_request, key)
-        with policy.lock:
-            if not all(policy.knows(r) for r in by_id):  # update_replicas normally keeps them in sync
-                policy.set_replicas(list(self._replicas))
-            d = policy.choose(key, request_id, candidates=list(by_id))
-            ranks = policy.ranked(d.replica, list(by_id))
-        if pending_request is not None:
-            # The first tries offer only our choice: a queue-length probe that is merely slow (a busy
-            # host) must not send a group member elsewhere. Load is the policy's call (spill); Serve's
-            # fallback ranks are for a replica that stays full.
-            tries = getattr(pending_request, "_route_tries", 0) + 1
-            pending_request._route_tries = tries
-            if tries <= FALLBACK_AFTER_TRIES:
-                ranks = ranks[:1]
-        return [[by_id[r] for r in rank] for rank in ranks]
-
-    def _fulfill_next_pending_request(self, replica, request_metadata=None) -> None:
-        """Hand the chosen replica to the call it was chosen for. Serve matches by internal request
-        id, which every call made while serving one request shares: the 8 concurrent calls of a
-        GRPO group would find no match after the first and route forever. The metadata object is
-        per call, so match on it, then fall back to Serve's rule."""
-        if request_metadata is not None:
-            for pr in self._pending_requests_to_fulfill:
-                if pr.metadata is request_metadata and not pr.future.done():
-                    self._cancel_routing_task_for_pending_request(pr)
-                    self._record_queue_wait_time(pr)
-                    pr.future.set_result(replica)
-                    self._remove_pending_request_from_indices(pr)
-                    return
-        super()._fulfill_next_pending_request(replica, request_metadata)
-
-    def on_request_routed(self, pending_request, replica_id, result) -> None:
-        policy = self._policy()
-        key = route_key_of(pending_request)
-        call = _call_id(pending_request, key)
-        with policy.lock:
-            policy.routed(call, replica_id, key)
-        if key is not None and "call" in key:
-            # Completion by call id: on_request_completed only names the internal request id, which
-            # every call made while serving one ingress request shares (a whole GRPO group).
-            def done(_, policy=policy, call=call):
-                with policy.lock:
-                    policy.completed(call)
-
-            result.add_done_callback(done)
-
-    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        policy = self._policy()
-        with policy.lock:
-            policy.completed(internal_request_id)  # calls without a call id; others: no-op
-
-    def update_replicas(self, replicas) -> None:
-        super().update_replicas(replicas)
-        policy = self._policy()
-        with policy.lock:
-            policy.set_replicas([r.replica_id for r in replicas])
-
-    def on_replica_actor_died(self, replica_id) -> None:
-        super().on_replica_actor_died(replica_id)
-        policy = self._policy()
-        with policy.lock:
-            policy.remove_replica(replica_id)
+        if pending_request is None:
+            return [candidate_replicas]
+        # Serve retries a choice whose replicas were all full or slow to answer their queue-length
+        # probe; without this flag it retries at once, in a hot loop that starves the very probes it
+        # waits for (Serve's locality and multiplex helpers set it the same way).
+        pending_request.routing_context.should_backoff = True
+        rank = getattr(pending_request.kwargs.get(ROUTE_KWARG), "rank", None)
+        if rank is None or not candidate_replicas:
+            return [candidate_replicas]
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        return [[by_id[i] for i in ids] for ids in rank(list(by_id))]

@@ -1,4 +1,4 @@
-"""The routing decision (PrefixPolicy), pure and fast: no Ray, no engine."""
+"""The routing decision (RoutingPolicy), pure and fast: no Ray, no engine."""
 from __future__ import annotations
 
 import itertools
@@ -6,7 +6,7 @@ import itertools
 import pytest
 
 from serve_deployments.prefix_hash import route_key
-from serve_deployments.request_router import PrefixPolicy
+from serve_deployments.request_router import RoutingPolicy
 
 BS = 16
 _ids = itertools.count()
@@ -16,7 +16,7 @@ def prompt(seed: int, n: int = 5 * BS) -> list[int]:
     return [(seed * 7919 + i * 31) % 509 for i in range(n)]
 
 
-def send(pol: PrefixPolicy, tokens, adapter=None, done=True):
+def send(pol: RoutingPolicy, tokens, adapter=None, done=True):
     rid = f"req-{next(_ids)}"
     d = pol.choose(route_key(tokens, BS, adapter), rid)
     if done:
@@ -25,7 +25,7 @@ def send(pol: PrefixPolicy, tokens, adapter=None, done=True):
 
 
 def test_group_lands_on_one_replica_and_predicts_hits():
-    pol = PrefixPolicy(imbalance=8)
+    pol = RoutingPolicy(imbalance=8)
     pol.set_replicas(["a", "b"])
     toks = prompt(1, 3 * BS + 5)
     ds = [pol.choose(route_key(toks, BS), f"g{i}") for i in range(8)]  # a burst, all in flight
@@ -38,7 +38,7 @@ def test_group_lands_on_one_replica_and_predicts_hits():
 
 
 def test_distinct_prompts_spread_and_return_home():
-    pol = PrefixPolicy()
+    pol = RoutingPolicy()
     pol.set_replicas(["a", "b", "c"])
     homes = {s: send(pol, prompt(s))[0].replica for s in range(6)}
     assert set(homes.values()) == {"a", "b", "c"}  # unmatched ties go round robin
@@ -48,7 +48,7 @@ def test_distinct_prompts_spread_and_return_home():
 
 
 def test_adapters_never_share():
-    pol = PrefixPolicy()
+    pol = RoutingPolicy()
     pol.set_replicas(["a", "b"])
     toks = prompt(3)
     first, _ = send(pol, toks, "policy-v1")
@@ -61,7 +61,7 @@ def test_adapters_never_share():
 def test_shared_system_prompt_identifies_no_prompt():
     """Prompts behind one 2-block system prompt: once the system prompt is seen followed by different
     blocks, a new prompt is unmatched (balanced), not glued to whoever first held the system prompt."""
-    pol = PrefixPolicy()
+    pol = RoutingPolicy()
     pol.set_replicas(["a", "b"])
     system = prompt(100, 2 * BS)
     first, _ = send(pol, system + prompt(1, 2 * BS))
@@ -80,7 +80,7 @@ def test_shared_system_prompt_identifies_no_prompt():
 
 
 def test_blocks_every_replica_holds_are_generic():
-    pol = PrefixPolicy()
+    pol = RoutingPolicy()
     pol.set_replicas(["a", "b"])
     common = prompt(7, 3 * BS)
     # Force the common prefix onto both replicas.
@@ -91,7 +91,7 @@ def test_blocks_every_replica_holds_are_generic():
 
 
 def test_spill_when_owner_is_overloaded():
-    pol = PrefixPolicy(imbalance=3)
+    pol = RoutingPolicy(imbalance=3)
     pol.set_replicas(["a", "b"])
     toks = prompt(11)
     ds = [pol.choose(route_key(toks, BS), f"s{i}") for i in range(5)]
@@ -105,7 +105,7 @@ def test_spill_when_owner_is_overloaded():
 
 
 def test_lru_bound_and_eviction():
-    pol = PrefixPolicy(max_tracked_blocks=4)
+    pol = RoutingPolicy(max_tracked_blocks=4)
     pol.set_replicas(["a"])
     for s in range(5):
         send(pol, prompt(s, 3 * BS))
@@ -115,7 +115,7 @@ def test_lru_bound_and_eviction():
 
 
 def test_replica_leaves():
-    pol = PrefixPolicy()
+    pol = RoutingPolicy()
     pol.set_replicas(["a", "b"])
     d, rid = send(pol, prompt(21), done=False)
     pol.set_replicas(["a", "b", "c"])
@@ -125,11 +125,11 @@ def test_replica_leaves():
     d2, _ = send(pol, prompt(21))
     assert d2.replica != d.replica and d2.kind == "unmatched"
     with pytest.raises(RuntimeError):
-        PrefixPolicy().choose(None, "r")
+        RoutingPolicy().choose(None, "r")
 
 
 def test_retry_counted_once_and_reroute_moves_load():
-    pol = PrefixPolicy()
+    pol = RoutingPolicy()
     pol.set_replicas(["a", "b"])
     key = route_key(prompt(31), BS)
     d1 = pol.choose(key, "r1")
@@ -142,32 +142,51 @@ def test_retry_counted_once_and_reroute_moves_load():
 
 
 def test_round_robin_policy():
-    pol = PrefixPolicy(policy="round_robin")
+    pol = RoutingPolicy(policy="round_robin")
     pol.set_replicas(["a", "b"])
     reps = [send(pol, prompt(41))[0].replica for _ in range(4)]
     assert reps in (["a", "b", "a", "b"], ["b", "a", "b", "a"])
     with pytest.raises(ValueError):
-        PrefixPolicy(policy="serve_default")  # Serve's own router, not ours
+        RoutingPolicy(policy="serve_default")  # Serve's own router, not ours
 
 
-def test_router_consumes_the_route_kwarg():
-    """The route key rides in the call's kwargs to the RequestRouter, which removes it before the
-    request is sent: replica methods never see routing metadata."""
+def test_policy_router_asks_the_ticket():
+    """PolicyRouter (Serve's side) reads the RouteTicket from choose_replica's kwargs and returns the
+    policy's ranking: the choice alone for the first tries, then the rest by load; calls without a
+    ticket may go anywhere (Serve picks the least loaded). The ticket tracks the call by its own id."""
+    import asyncio
     from types import SimpleNamespace
 
-    from serve_deployments.request_router import route_key_of
+    from serve_deployments.request_router import FALLBACK_AFTER_TRIES, PolicyRouter, RouteTicket
 
-    key = route_key(prompt(51), BS)
-    pr = SimpleNamespace(kwargs={"route": key, "other": 1})
-    assert route_key_of(pr) == key and pr.kwargs == {"other": 1}
-    assert route_key_of(pr) == key  # retries still see it
-    assert route_key_of(None) is None and route_key_of(SimpleNamespace(kwargs={})) is None
+    reps = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=u)) for u in ("b", "a")]
+    pol = RoutingPolicy()
+    ticket = RouteTicket(pol, route_key(prompt(51), BS))
+    pr = SimpleNamespace(kwargs={"route": ticket}, routing_context=SimpleNamespace(should_backoff=False))
+    choose = lambda p: asyncio.run(PolicyRouter.choose_replicas(None, reps, p))  # noqa: E731
+    first = choose(pr)
+    assert pr.routing_context.should_backoff and len(first) == 1 and len(first[0]) == 1
+    chosen = first[0][0].replica_id.unique_id
+    assert pol.replicas == ["a", "b"] and pol.load(chosen) == 1
+    for _ in range(FALLBACK_AFTER_TRIES - 1):
+        assert choose(pr) == first  # Serve retrying: same decision, counted once
+    assert [len(rank) for rank in choose(pr)] == [1, 1]  # now the other replica too, as a fallback
+    assert pol.snapshot()["requests"] == 1
+    ticket.routed(chosen)
+    ticket.done()
+    assert pol.load(chosen) == 0
+    bare = SimpleNamespace(kwargs={"route": None}, routing_context=SimpleNamespace(should_backoff=False))
+    assert choose(bare) == [reps] and choose(None) == [reps]
+    # A replica that left is dropped from the policy on the next choice.
+    reps.pop()
+    RouteTicket(pol, None).rank(["b"])
+    assert pol.replicas == ["b"]
 
 
 def test_plain_longest_match_glues_shared_prefix():
     """The comparison mode: without skipping generic blocks, new prompts behind a shared system prompt
     all follow whoever first held it (until the imbalance cap spills them)."""
-    pol = PrefixPolicy(skip_generic=False)
+    pol = RoutingPolicy(skip_generic=False)
     pol.set_replicas(["a", "b"])
     system = prompt(100, 2 * BS)
     first, _ = send(pol, system + prompt(1, 2 * BS))
@@ -175,12 +194,16 @@ def test_plain_longest_match_glues_shared_prefix():
 
 
 def test_router_config_per_policy():
-    from common.config import Config
-    from serve_deployments.app_builder import router_config
+    from common.config import ROUTING_POLICIES, Config
+    from serve_deployments.app_builder import router_config, routing_options
 
     cfg = Config()
-    assert router_config(cfg).request_router_kwargs["policy"] == "prefix"
-    cfg.router.policy = "round_robin"
-    assert router_config(cfg).request_router_kwargs["policy"] == "round_robin"
+    assert router_config(cfg).request_router_class.endswith(":PolicyRouter")
+    assert routing_options(cfg) == {"policy": "prefix", "imbalance": 8, "max_tracked_blocks": 100_000,
+                                    "skip_generic": True}
+    cfg.router.policy, cfg.router.skip_generic = "round_robin", False
+    assert routing_options(cfg)["policy"] == "round_robin" and not routing_options(cfg)["skip_generic"]
+    RoutingPolicy(**routing_options(cfg))
     cfg.router.policy = "serve_default"
-    assert router_config(cfg) is None  # Serve's built-in router
+    assert router_config(cfg) is None and routing_options(cfg) is None  # Serve's built-in router
+    assert set(ROUTING_POLICIES) == {"prefix", "round_robin", "serve_default"}
