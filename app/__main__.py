@@ -42,24 +42,39 @@ def cmd_train(argv: list[str]) -> int:
     p.add_argument("--verbose", action="store_true",
                    help="stream Ray, Serve, vLLM and DeepSpeed logs to the console (by default they go to "
                         "RUN_DIR/logs/ and Ray's session log directory)")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue RUN_DIR (stopped by Ctrl-C or killed) from its newest checkpoint, in RUN_DIR, "
+                        "with its config.yaml (--set still overrides); every prompt of an epoch stays used once")
     args = p.parse_args(argv)
+    from app import driver
     from app.data import DataError
     from common.config import ConfigError, load
 
+    cfg = None
     try:
-        cfg = load(args.config, args.set)
+        if args.resume:
+            if args.config:
+                raise driver.ResumeError("--resume takes the run's own config.yaml: leave out --config")
+            cfg, resume = driver.prepare_resume(args.resume, args.set)
+        else:
+            cfg, resume = load(args.config, args.set), None
         if args.serve:
             cfg.run.serve_after = True
-        from app import driver
-
         summary = driver.run(cfg, keep_serving=cfg.run.serve_after, progress=not args.no_progress,
-                             verbose=args.verbose)
-    except (ConfigError, DataError, FileNotFoundError) as e:
+                             verbose=args.verbose, resume=resume)
+    except (ConfigError, DataError, FileNotFoundError, driver.ResumeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except driver.StallError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        where = cfg.run_dir if cfg is not None else "RUN_DIR"
+        print(f"interrupted: stopped at once; python -m app train --resume {where} continues from the last "
+              "checkpoint", file=sys.stderr)
+        return 130
+    if summary.get("interrupted"):  # the driver said where it stopped and how to continue
+        return 130
     print(f"done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s; reward "
           f"{summary['reward_first_quarter']:.3f} (first quarter) -> "
           f"{summary['reward_last_quarter']:.3f} (last quarter); "

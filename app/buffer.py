@@ -15,6 +15,16 @@ gives them back, so the restarted worker samples them again: none lost, none dou
 incarnation left behind cannot double a slot either: its pending `acquire` grants nothing after the
 reset, and a late `put` for a slot already given back is dropped and counted (`orphan_puts`). Calls
 without a worker id keep the old, untracked behaviour.
+
+Prompts (issue 10, item 2): given the rows, the buffer is also the one source of prompts
+(`common.data_cursor.PromptSource`): `acquire` returns `{"epoch", "row"}` with the slot, so which prompt
+a slot samples is decided in one place, and every way a group can be lost gives its prompt back to be
+handed out again: a stale group dropped, a failed generation (`release(..., requeue=True)`), a dead
+worker's slots (`reset_worker`), steps lost with a restored train worker group (`rewind`). Built from
+a checkpoint's record (`consumed`), it skips what the checkpointed steps trained on. Groups dynamic
+sampling filtered out reach the trainer's record with the next batch (`filtered`), so they are not
+sampled again either. `request_stop` / `stop_requested`: the driver's Ctrl-C, read by the trainer
+between steps (it then checkpoints and ends).
 """
 from __future__ import annotations
 
@@ -24,26 +34,36 @@ from collections import deque
 
 import ray
 
+from common.data_cursor import PromptSource, prompt_key
 from common.names import BUFFER_NAME  # noqa: F401  (the actor is created under it)
 from common.types import Group
 
 
 @ray.remote(num_cpus=0)
 class RolloutBuffer:
-    def __init__(self, max_staleness: int, groups_per_step: int, lead: int | None = None):
+    def __init__(self, max_staleness: int, groups_per_step: int, lead: int | None = None,
+                 rows: list[dict] | None = None, seed: int = 0, epochs: int = 1, consumed: dict | None = None,
+                 trainer_version: int = 0):
         self.max_staleness = max_staleness
         self.groups_per_step = groups_per_step
         self.lead = max_staleness if lead is None else lead
         self._q: deque[Group] = deque()
         self._cond = asyncio.Condition()
-        self.trainer_version = 0
+        self.trainer_version = trainer_version
         self.granted = 0  # slots handed to workers (released slots are given back)
         self.dropped_groups = self.dropped_samples = 0
         self.put_groups = self.taken_groups = 0
         self._closed = False
-        self._outstanding: dict = {}  # worker id -> slots granted and neither released nor put
+        # worker id -> its slots granted and neither released nor put: (epoch, prompt id), or None when
+        # the buffer hands out no prompts
+        self._outstanding: dict[object, list] = {}
         self._epoch: dict = {}  # worker id -> incarnation, bumped by reset_worker
         self.reset_slots = self.orphan_puts = 0
+        self.source = PromptSource(rows, seed, epochs, consumed) if rows is not None else None
+        self._filtered: list[str] = []  # prompt keys of filtered groups, for the next batch's record
+        self.filtered_total = self.requeued_failed = self.requeued_stale = self.requeued_reset = 0
+        self.rewound = 0
+        self._stop = False
 
     def _may_grant(self) -> bool:
         return self.granted // self.groups_per_step <= self.trainer_version + self.lead
@@ -57,30 +77,56 @@ class RolloutBuffer:
                 lambda: self._closed or self._epoch.get(worker_id) != epoch or self._may_grant()), timeout)
             if self._closed or self._epoch.get(worker_id) != epoch:
                 return False
+            grant: dict | bool = True
+            slot = None
+            if self.source is not None:
+                nxt = self.source.next()
+                if nxt is None:
+                    return False  # the data's epochs are all handed out
+                grant = {"epoch": nxt[0], "row": nxt[1]}
+                slot = (nxt[0], str(nxt[1]["id"]))
             self.granted += 1
             if worker_id is not None:
-                self._outstanding[worker_id] = self._outstanding.get(worker_id, 0) + 1
-            return True
+                self._outstanding.setdefault(worker_id, []).append(slot)
+            return grant
 
-    async def release(self, worker_id=None) -> None:
-        """Give back a slot whose group failed or was never started."""
+    def _pop_slot(self, worker_id, epoch=None, prompt_id=None):
+        """Remove one of the worker's outstanding slots (the one for this prompt when given); returns
+        False when it holds none (already given back by reset_worker)."""
+        slots = self._outstanding.get(worker_id) or []
+        if not slots:
+            return False
+        key = (int(epoch), str(prompt_id)) if prompt_id is not None else None
+        slots.remove(key if key in slots else slots[0])
+        return True
+
+    async def release(self, worker_id=None, epoch: int | None = None, prompt_id: str | None = None,
+                      requeue: bool = False, filtered: bool = False) -> None:
+        """Give back a slot whose group failed or was never started. With the prompt: `requeue` hands it
+        out again (a failed generation); `filtered` (dynamic sampling dropped the group: no signal) has it
+        accounted for in the trainer's record with the next batch, never sampled again this epoch."""
         async with self._cond:
-            if worker_id is not None:
-                if self._outstanding.get(worker_id, 0) <= 0:
-                    return  # already given back by reset_worker
-                self._outstanding[worker_id] -= 1
+            if worker_id is not None and not self._pop_slot(worker_id, epoch, prompt_id):
+                return  # already given back by reset_worker (which requeued its prompt)
             self.granted -= 1
+            if self.source is not None and prompt_id is not None:
+                if requeue:
+                    self.source.requeue(epoch, prompt_id)
+                    self.requeued_failed += 1
+                elif filtered:
+                    self._filtered.append(prompt_key(epoch, prompt_id))
+                    self.source.take(epoch, prompt_id)
+                    self.filtered_total += 1
             self._cond.notify_all()
 
     async def put(self, group: Group, worker_id=None) -> bool:
         """Queue a scored group; False (dropped, counted in `orphan_puts`) when its slot was already
         given back by `reset_worker`."""
         async with self._cond:
-            if worker_id is not None:
-                if self._outstanding.get(worker_id, 0) <= 0:
-                    self.orphan_puts += 1
-                    return False
-                self._outstanding[worker_id] -= 1
+            if worker_id is not None and not self._pop_slot(worker_id, group.epoch, group.prompt_id
+                                                            if self.source is not None else None):
+                self.orphan_puts += 1
+                return False
             self._q.append(group)
             self.put_groups += 1
             self._cond.notify_all()
@@ -91,7 +137,13 @@ class RolloutBuffer:
         granted again) and any acquire its previous incarnation left waiting grants nothing. Returns
         the number of slots given back."""
         async with self._cond:
-            n = self._outstanding.pop(worker_id, 0)
+            slots = self._outstanding.pop(worker_id, [])
+            n = len(slots)
+            if self.source is not None:
+                for slot in slots:
+                    if slot is not None:
+                        self.source.requeue(*slot)
+                        self.requeued_reset += 1
             self._epoch[worker_id] = self._epoch.get(worker_id, 0) + 1
             self.granted -= n
             self.reset_slots += n
@@ -108,6 +160,10 @@ class RolloutBuffer:
             self.dropped_groups += len(stale)
             self.dropped_samples += sum(len(g.samples) for g in stale)
             self.granted -= len(stale)
+            if self.source is not None:  # dropped, never trained on: the prompts come again
+                for g in stale:
+                    self.source.requeue(g.epoch, g.prompt_id)
+                self.requeued_stale += len(stale)
         return True
 
     async def get_batch(self, trainer_version: int, n_groups: int, timeout: float = 1800.0) -> dict:
@@ -122,6 +178,10 @@ class RolloutBuffer:
                 raise RuntimeError("rollout buffer closed before a full batch arrived")
             groups = [self._q.popleft() for _ in range(n_groups)]
             self.taken_groups += n_groups
+            filtered, self._filtered = self._filtered, []
+            if self.source is not None:
+                for g in groups:
+                    self.source.take(g.epoch, g.prompt_id)
             self._cond.notify_all()
         versions = [g.version for g in groups]
         return {
@@ -130,6 +190,7 @@ class RolloutBuffer:
             "staleness_mean": sum(trainer_version - v for v in versions) / len(versions),
             "staleness_max": max(trainer_version - v for v in versions),
             "dropped_samples": self.dropped_samples,
+            "filtered": filtered,
         }
 
     def _advance(self, version: int) -> None:
@@ -146,8 +207,30 @@ class RolloutBuffer:
         return {"queued": len(self._q), "granted": self.granted, "put_groups": self.put_groups,
                 "taken_groups": self.taken_groups, "dropped_groups": self.dropped_groups,
                 "dropped_samples": self.dropped_samples, "trainer_version": self.trainer_version,
-                "outstanding": {str(k): v for k, v in self._outstanding.items() if v},
-                "reset_slots": self.reset_slots, "orphan_puts": self.orphan_puts}
+                "outstanding": {str(k): len(v) for k, v in self._outstanding.items() if v},
+                "reset_slots": self.reset_slots, "orphan_puts": self.orphan_puts,
+                **({"prompts": {**self.source.state(), "requeued_failed": self.requeued_failed,
+                                "requeued_stale": self.requeued_stale, "requeued_reset": self.requeued_reset,
+                                "filtered": self.filtered_total, "rewound": self.rewound}}
+                   if self.source is not None else {})}
+
+    async def rewind(self, consumed: dict | None) -> int:
+        """The trainer restored a checkpoint (a train worker group restarted): prompts it took since,
+        which that checkpoint's record does not hold, are handed out again. Returns how many."""
+        async with self._cond:
+            if self.source is None:
+                return 0
+            n = self.source.rewind(consumed)
+            self.rewound += n
+            self._cond.notify_all()
+            return n
+
+    async def request_stop(self) -> None:
+        """Ctrl-C in the driver: the trainer checkpoints after its current step and ends."""
+        self._stop = True
+
+    async def stop_requested(self) -> bool:
+        return self._stop
 
     async def close(self) -> None:
         async with self._cond:

@@ -6,14 +6,30 @@ rollout workers -> TorchTrainer.fit -> exported adapter, summary and plot.
 
 Everything the run writes goes under `run.out_dir/run.name/`: config.yaml, metrics.jsonl,
 reward_curve.png, summary.json, adapter/ (the final PEFT adapter) and Ray Train's checkpoints.
+
+Resume (`python -m app train --resume RUN_DIR`, `prepare_resume` + `run(cfg, resume=...)`): the same
+RUN_DIR continues from its newest complete checkpoint, after a clean stop or a SIGKILL of this process:
+- the trainer restores weights, optimizer, RNG, step and version from it (a fresh Ray Train run name
+  under RUN_DIR, so Ray's own bookkeeping of the killed attempt plays no part);
+- the registry publishes the checkpoint's adapter as its version before the replicas start, so they
+  serve it and rollouts sample under it;
+- the buffer hands out prompts skipping exactly those the checkpointed steps trained on (the
+  checkpoint's data record, common/data_cursor.py); what the killed attempt generated or took after the
+  checkpoint died with it and its prompts are handed out again;
+- metrics.jsonl keeps the rows up to the checkpoint's step and drops those written after it.
+Ctrl-C once: the trainer checkpoints after the current step and the run stops (exit 130, resumable);
+twice: stop at once. Either way the Serve app and the named actors are removed.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import signal
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -196,7 +212,8 @@ class _Progress:
     """tqdm over optimizer steps, fed from the RunMetrics actor; also polls router stats into it and
     watches for a stall (no step and no generation for `run.stall_timeout_s`)."""
 
-    def __init__(self, cfg: Config, metrics, router, buffer, registry, enabled: bool, evals=None):
+    def __init__(self, cfg: Config, metrics, router, buffer, registry, enabled: bool, evals=None,
+                 rows: list[dict] | None = None):
         from tqdm import tqdm
 
         self.metrics, self.router, self.buffer, self.registry = metrics, router, buffer, registry
@@ -205,9 +222,9 @@ class _Progress:
         self.log_every = cfg.run.log_every
         self._last_progress = self._last_note = time.monotonic()
         self._last_put = -1
-        self.bar = tqdm(total=cfg.train.total_steps, desc=f"GRPO {cfg.run.name}", unit="step", disable=not enabled,
-                        dynamic_ncols=True, mininterval=1.0)
-        self.rows: list[dict] = []
+        self.rows: list[dict] = list(rows or [])  # a resumed run's rows up to its checkpoint
+        self.bar = tqdm(total=cfg.train.total_steps, initial=len(self.rows), desc=f"GRPO {cfg.run.name}", unit="step",
+                        disable=not enabled, dynamic_ncols=True, mininterval=1.0)
         self._last_stats = 0.0
         self._sync_s: float | None = None
         self._replicas: set | None = None
@@ -406,15 +423,145 @@ def router_metrics(stats: dict) -> dict:
 
 
 def run(cfg: Config, *, keep_serving: bool = False, progress: bool = True,
-        extra_loop_cfg: dict | None = None, verbose: bool = False) -> dict:
+        extra_loop_cfg: dict | None = None, verbose: bool = False, resume: Resume | None = None) -> dict:
     """One training run; returns the summary. With keep_serving the Serve app stays up afterwards.
-    The console is quiet unless verbose (see Console); RUN_DIR/logs/ holds the engines' logs."""
+    The console is quiet unless verbose (see Console); RUN_DIR/logs/ holds the engines' logs.
+    `resume` (from `prepare_resume`) continues an earlier run in its own directory. A run stopped by
+    Ctrl-C returns a summary with "interrupted": True (no summary.json: it is resumable)."""
     console = Console(None, verbose)
     try:
         return _run(cfg, console, keep_serving=keep_serving, progress=progress, extra_loop_cfg=extra_loop_cfg,
-                    verbose=verbose)
+                    verbose=verbose, resume=resume)
     finally:
         console.close()
+
+
+class ResumeError(ValueError):
+    """`--resume` of a directory that cannot be resumed (no run, no checkpoint, finished)."""
+
+
+@dataclass
+class Resume:
+    """What `--resume RUN_DIR` continues from: the newest complete checkpoint and its train_state."""
+
+    run_dir: Path
+    checkpoint: Path
+    state: dict = field(default_factory=dict)
+
+    @property
+    def step(self) -> int:
+        return int(self.state.get("step", 0))
+
+    @property
+    def version(self) -> int:
+        return int(self.state.get("version", 0))
+
+
+def _complete_checkpoint(d: Path, world: int) -> dict | None:
+    """train_state.json of a checkpoint directory holding everything a restore reads, else None (a copy
+    cut short by a kill)."""
+    try:
+        state = json.loads((d / "train_state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    need = [d / "adapter" / "adapter_config.json", d / "adapter" / "adapter_model.safetensors",
+            d / "ds" / "mp_rank_00_model_states.pt", *[d / f"rng_rank{r}.pt" for r in range(world)]]
+    if not all(p.is_file() for p in need) or not isinstance(state.get("step"), int):
+        return None
+    return state
+
+
+def find_checkpoint(run_dir: Path, world: int = 1) -> tuple[Path, dict] | None:
+    """The run's newest complete checkpoint (highest step) over every Ray Train run under RUN_DIR (the
+    first attempt's and each resume's)."""
+    best = None
+    for d in sorted(Path(run_dir).glob("*/checkpoint_*")):
+        state = _complete_checkpoint(d, world) if d.is_dir() else None
+        if state is not None and (best is None or state["step"] > best[1]["step"]):
+            best = (d, state)
+    return best
+
+
+def prepare_resume(run_dir: str | Path, sets: list[str] | None = None) -> tuple[Config, Resume]:
+    """RUN_DIR's config (plus `--set` overrides) and the checkpoint to continue from; ResumeError (one
+    line) for a directory that is not a run, has no checkpoint, or finished."""
+    from common.config import load
+
+    d = Path(run_dir).resolve()
+    if not (d / "config.yaml").is_file():
+        raise ResumeError(f"--resume {run_dir}: not a run directory (no config.yaml)")
+    if (d / "summary.json").is_file():
+        raise ResumeError(f"--resume {run_dir}: the run finished (summary.json); nothing to resume")
+    cfg = load(str(d / "config.yaml"), list(sets or []))
+    cfg.run.out_dir, cfg.run.name = str(d.parent), d.name
+    found = find_checkpoint(d, cfg.train.num_workers)
+    if found is None:
+        raise ResumeError(f"--resume {run_dir}: no complete checkpoint to resume from (the run stopped before "
+                          f"its first; checkpoint.every={cfg.checkpoint.every})")
+    ckpt, state = found
+    if int(state["step"]) >= cfg.train.total_steps:
+        raise ResumeError(f"--resume {run_dir}: the run finished (checkpoint at step {state['step']} of "
+                          f"train.total_steps={cfg.train.total_steps}); nothing to resume")
+    return cfg, Resume(d, ckpt, state)
+
+
+def _train_run_name(cfg: Config, resume: Resume | None) -> str:
+    """Ray Train's run name under RUN_DIR: the run's name, then NAME-resume-K for the K-th resume."""
+    if resume is None:
+        return cfg.run.name
+    k = 1
+    while (cfg.run_dir / f"{cfg.run.name}-resume-{k}").exists():
+        k += 1
+    return f"{cfg.run.name}-resume-{k}"
+
+
+def _republish(cfg: Config, registry, resume: Resume) -> None:
+    """Before the replicas start: the checkpoint's adapter goes live under the checkpoint's version, so
+    the replicas load it in their constructors and rollouts sample the policy the trainer resumes."""
+    import ray
+
+    from common.adapter_io import make_meta, read_peft_dir
+
+    version = resume.version
+    if version < 1 or ray.get(registry.latest_version.remote()) >= version:
+        return
+    tensors, peft_cfg = read_peft_dir(resume.checkpoint / "adapter")
+    if cfg.sync.mode == "merge":
+        from train_loops.merge import load_base_state, lora_pairs, merged_state
+
+        payload = merged_state(load_base_state(cfg.model.path), lora_pairs(tensors, peft_cfg))
+        meta = make_meta(payload, None, kind="merged")
+    else:
+        payload, meta = tensors, make_meta(tensors, peft_cfg, kind="adapter")
+    ray.get(registry.attach_router.remote(None))  # no app yet: the registry just holds it, live
+    ray.get(registry.publish.remote(version, ray.put(payload), meta))
+
+
+class _CtrlC:
+    """SIGINT while training: the first asks the trainer (through the buffer) to checkpoint after its
+    current step and end; the second raises KeyboardInterrupt at once (teardown still runs)."""
+
+    def __init__(self, buffer):
+        self.buffer, self.count, self._old = buffer, 0, None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.count += 1
+        if self.count > 1:
+            raise KeyboardInterrupt
+        logger.warning("Ctrl-C: stopping after the current step's checkpoint (Ctrl-C again to stop at once)")
+        try:
+            self.buffer.request_stop.remote()
+        except Exception:
+            raise KeyboardInterrupt from None
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
 
 
 def _start_serve(cfg: Config, verbose: bool) -> None:
@@ -430,7 +577,7 @@ def _start_serve(cfg: Config, verbose: bool) -> None:
 
 
 def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, extra_loop_cfg: dict | None,
-         verbose: bool) -> dict:
+         verbose: bool, resume: Resume | None = None) -> dict:
     import ray
     from ray import serve
 
@@ -447,11 +594,15 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, e
     # Actors and replicas run in other working directories: hand them absolute paths.
     cfg.model.path = str(Path(cfg.model.path).resolve())
     cfg.run.out_dir = str(Path(cfg.run.out_dir).resolve())
-    _fresh_run_dir(cfg)
+    if resume is None:
+        _fresh_run_dir(cfg)
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True, exist_ok=resume is not None)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     console.attach_file(run_dir / "logs")
+    if resume is not None:
+        logger.info("resume: %s from %s (step %d, version %d)", run_dir, resume.checkpoint.relative_to(run_dir),
+                    resume.step, resume.version)
     eval_rows_ = None
     if cfg.eval.path:
         from app.evaluate import eval_rows
@@ -471,13 +622,22 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, e
 
     registry = get_or_create_registry(keep=cfg.sync.max_staleness + 1)
     metrics = RunMetrics.options(name=METRICS_NAME, namespace=NAMESPACE).remote(
-        str(run_dir), cfg.run.name, tracking=tracking_options(cfg))
+        str(run_dir), cfg.run.name, tracking=tracking_options(cfg),
+        resume_step=resume.step if resume is not None else None)
+    # The buffer is the run's one prompt source (common/data_cursor.py); a resume skips exactly what the
+    # checkpointed steps trained on.
     buffer = RolloutBuffer.options(name=BUFFER_NAME, namespace=NAMESPACE).remote(
-        cfg.sync.max_staleness, cfg.grpo.prompts_per_step, lead=0 if cfg.run.mode == "sync" else None)
+        cfg.sync.max_staleness, cfg.grpo.prompts_per_step, lead=0 if cfg.run.mode == "sync" else None,
+        rows=rows, seed=cfg.data.shuffle_seed, epochs=cfg.data.epochs,
+        consumed=resume.state.get("data") if resume is not None else None,
+        trainer_version=resume.version if resume is not None else 0)
     workers: list = []
     evals = None
     keep, status = False, "FAILED"
+    interrupted = False
     try:
+        if resume is not None:
+            _republish(cfg, registry, resume)
         _start_serve(cfg, verbose)
         router = start_service(cfg, registry=registry)
         wait_healthy(router)
@@ -489,8 +649,11 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, e
         worker_runs = [w.run.remote() for w in workers]
         if eval_rows_:
             evals = _Evals(cfg, eval_rows_, metrics)
-            evals.kick(0, None)  # the starting policy, beside the first rollouts
-        trainer = build_trainer(cfg, run_dir, resume_from=cfg.checkpoint.resume_from, extra_loop_cfg=extra_loop_cfg)
+            if resume is None:
+                evals.kick(0, None)  # the starting policy, beside the first rollouts
+        trainer = build_trainer(cfg, run_dir, resume_from=str(resume.checkpoint) if resume is not None
+                                else cfg.checkpoint.resume_from, extra_loop_cfg=extra_loop_cfg,
+                                train_run_name=_train_run_name(cfg, resume))
         logger.info("trainer: %d %s workers (DeepSpeed ZeRO-%d), %s mode, %d rollout workers, %d steps%s",
                     cfg.train.num_workers, "GPU" if cfg.train.use_gpu else "CPU", cfg.train.zero_stage, cfg.run.mode,
                     cfg.rollout.workers, cfg.train.total_steps,
@@ -500,16 +663,27 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, e
         outcome: dict = {}
         fit = threading.Thread(target=lambda: outcome.update(result=_fit(trainer)), daemon=True)
         fit.start()
-        prog = _Progress(cfg, metrics, router, buffer, registry, progress, evals)
+        prog = _Progress(cfg, metrics, router, buffer, registry, progress, evals,
+                         rows=ray.get(metrics.get_rows.remote()) if resume is not None else None)
         try:
-            while fit.is_alive():
-                fit.join(timeout=1.0)
+            with _CtrlC(buffer) as ctrl_c:
+                while fit.is_alive():
+                    fit.join(timeout=1.0)
+                    prog.poll()
+                    _raise_worker_errors(worker_runs)
                 prog.poll()
-                _raise_worker_errors(worker_runs)
-            prog.poll()
+                interrupted = ctrl_c.count > 0
         finally:
             prog.close()
             ray.get(buffer.close.remote())
+        if interrupted and not isinstance(outcome.get("result"), BaseException) and outcome["result"].error is None:
+            steps = prog.rows[-1]["step"] if prog.rows else 0
+            if steps < cfg.train.total_steps:
+                logger.warning("stopped at step %d of %d (checkpoint saved); continue with: python -m app train "
+                               "--resume %s", steps, cfg.train.total_steps, run_dir)
+                status = "KILLED"
+                return {"interrupted": True, "steps": steps, "run_dir": str(run_dir),
+                        "checkpoint": outcome["result"].checkpoint.path if outcome["result"].checkpoint else None}
         if evals is not None and prog.rows and not isinstance(outcome.get("result"), BaseException):
             evals.finish(prog.rows[-1]["step"], prog.rows[-1].get("version"))
             ray.get(metrics.flush_eval.remote())

@@ -16,16 +16,18 @@ logger = logging.getLogger("app.metrics")
 
 @ray.remote(num_cpus=0)
 class RunMetrics:
-    def __init__(self, run_dir: str, run_name: str = "grpo", tracking: dict | None = None):
+    def __init__(self, run_dir: str, run_name: str = "grpo", tracking: dict | None = None,
+                 resume_step: int | None = None):
         """`tracking`: `app.loggers.tracking_options(cfg)` (loggers, mlflow_tracking_uri, project, config);
-        None = metrics.jsonl only."""
+        None = metrics.jsonl only. `resume_step`: a resumed run continues metrics.jsonl after this step
+        (see `resume_rows`)."""
         from app.loggers import make_loggers
 
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict] = resume_rows(self.path, resume_step) if resume_step is not None else []
         self.loggers = make_loggers(run_dir, run_name, **(tracking or {}))
         self._closed = False
-        self.rows: list[dict] = []
         self.run_name = run_name
         self._gauges: dict = {}
         self._gen = {"tokens": 0, "seconds": 0.0, "groups": 0, "reward_sum": 0.0}
@@ -94,7 +96,12 @@ class RunMetrics:
                 logger.warning("%s failed at step %d: %s", type(lg).__name__, row["step"], e)
 
     def log_train(self, step: int, metrics: dict) -> None:
-        """One row per optimizer step (from the trainer's rank 0)."""
+        """One row per optimizer step (from the trainer's rank 0). A step logged again (Ray Train restored
+        the workers from an earlier checkpoint and replays steps) replaces its row and those after it,
+        so metrics.jsonl holds each step once."""
+        if self.rows and int(step) <= self.rows[-1]["step"]:
+            self.rows = [r for r in self.rows if r["step"] < int(step)]
+            resume_rows(self.path, int(step) - 1)
         now = time.time()
         gen = self._gen
         ev, self._eval = getattr(self, "_eval", None) or {}, None
@@ -133,3 +140,25 @@ class RunMetrics:
                 lg.close()
             except Exception as e:
                 logger.warning("closing %s failed: %s", type(lg).__name__, e)
+
+
+def resume_rows(path: Path, step: int) -> list[dict]:
+    """A resumed run's metrics.jsonl: the rows of steps 1..`step` (the checkpoint's), one per step (the
+    last written, as a Ray Train restore logs replayed steps again), rewritten in place; rows of later
+    steps (written before a kill, their steps lost) and a torn last line are dropped."""
+    import json
+
+    by_step: dict[int, dict] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by the kill
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and 1 <= row["step"] <= step:
+                by_step[row["step"]] = row
+    rows = [by_step[s] for s in sorted(by_step)]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in rows))
+    tmp.replace(path)
+    return rows

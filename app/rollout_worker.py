@@ -16,6 +16,12 @@ fails too, the slot goes back to the buffer and the prompt is sampled again late
 (`rollout_retries`, `rollout_failed_groups` on the metrics rows); a worker never dies of a lost replica.
 Workers are restartable actors (`start_workers`): a restarted worker first calls the buffer's
 `reset_worker`, which gives back the slots its previous incarnation held, so they are granted again.
+
+Prompts: when the buffer holds the data (the driver's runs), each slot comes with its prompt and data
+epoch (`acquire` -> `{"epoch", "row"}`), and a group that fails goes back to the buffer with its prompt
+(`release(..., requeue=True)`), to be handed out again to any worker: the data cursor is the buffer's,
+and survives worker restarts and resumes (common/data_cursor.py). Without it (tests' fake buffers) each
+worker walks its own stride of the data, as before.
 """
 from __future__ import annotations
 
@@ -214,17 +220,27 @@ class RolloutWorker:
     async def _loop(self) -> None:
         kw = self._slot_kw()
         while not self._stop:
-            if not await self.buffer.acquire.remote(**kw):
-                break  # buffer closed: training is over
-            try:
-                row = self._next_row()
-            except StopIteration:
-                await self.buffer.release.remote(**kw)
-                break
+            grant = await self.buffer.acquire.remote(**kw)
+            if not grant:
+                break  # buffer closed (training is over) or, when it hands out prompts, the data ran out
+            if isinstance(grant, dict):  # the buffer is the prompt source (common/data_cursor.py)
+                row, epoch = grant["row"], int(grant["epoch"])
+                pkw = {**kw, "epoch": epoch, "prompt_id": str(row["id"])}
+            else:
+                try:
+                    row = self._next_row()
+                except StopIteration:
+                    await self.buffer.release.remote(**kw)
+                    break
+                epoch, pkw = getattr(getattr(self.stream, "cursor", None), "epoch", 0), None
             try:
                 group = await self.rollout_one(row)
+                group.epoch = epoch
             except Exception as e:
-                await self.buffer.release.remote(**kw)
+                if pkw is not None:  # the buffer hands the prompt out again (to any worker)
+                    await self.buffer.release.remote(**pkw, requeue=_lost(e))
+                else:
+                    await self.buffer.release.remote(**kw)
                 if not _lost(e):
                     raise
                 # The service lost replicas/ingress beyond the retries: the slot is given back and the
@@ -232,7 +248,8 @@ class RolloutWorker:
                 # run whose service never comes back).
                 import logging
 
-                self._retry_rows.append(row)
+                if pkw is None:
+                    self._retry_rows.append(row)
                 self.failed_groups = getattr(self, "failed_groups", 0) + 1
                 self._count("rollout_failed_groups", 1)
                 logging.getLogger("app.rollout_worker").warning(
@@ -242,7 +259,8 @@ class RolloutWorker:
                 continue
             if self.cfg.grpo.dynamic_sampling and len(set(group.rewards)) == 1:
                 # DAPO dynamic sampling: no learning signal; the freed slot makes a new group in its place
-                await self.buffer.release.remote(**kw)
+                # (the prompt counts as used: the trainer's record gets it with the next batch)
+                await self.buffer.release.remote(**(pkw or kw), **({"filtered": True} if pkw else {}))
                 self.filtered_groups += 1
                 if self.metrics is not None:
                     self.metrics.log_filtered_group.remote(group.gen_tokens, group.gen_seconds)

@@ -50,6 +50,7 @@ class Group:
     prompt_id: str
     gen_seconds: float = 0.0
     gen_tokens: int = 0
+    epoch: int = 0  # the data epoch its prompt was handed out in (common/data_cursor.py)
 
     @property
     def rewards(self) -> list[float]:

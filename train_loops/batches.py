@@ -3,7 +3,7 @@ list of samples becomes padded tensors for the loss."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ class StepBatch:
     staleness_max: int = 0
     dropped_samples: int = 0
     wait_seconds: float = 0.0
+    filtered: list[str] = field(default_factory=list)  # "epoch:id" of groups dynamic sampling dropped since
 
     @property
     def samples(self) -> list[Sample]:
@@ -65,7 +66,7 @@ def buffer_batch(trainer_version: int, n_groups: int) -> StepBatch:
     out = ray.get(buf.get_batch.remote(trainer_version, n_groups))
     return StepBatch(groups=out["groups"], staleness_mean=float(out["staleness_mean"]),
                      staleness_max=int(out["staleness_max"]), dropped_samples=int(out["dropped_samples"]),
-                     wait_seconds=float(out["wait_seconds"]))
+                     wait_seconds=float(out["wait_seconds"]), filtered=list(out.get("filtered") or []))
 
 
 def collate(samples: list[Sample], pad_id: int = 0, device: str | torch.device = "cpu") -> dict:

@@ -12,14 +12,16 @@ from train_loops.worker import train_loop_per_worker
 def build_trainer(cfg: Config, run_dir: str | Path, *, batch_source: str = "buffer",
                   registry_name: str | None = REGISTRY_NAME, metrics_name: str | None = METRICS_NAME,
                   resume_from: str | None = None, max_failures: int = 2, ds_overrides: dict | None = None,
-                  extra_loop_cfg: dict | None = None):
+                  extra_loop_cfg: dict | None = None, train_run_name: str | None = None):
     """TorchTrainer over `cfg.train.num_workers` workers; `.fit()` runs it.
 
     Checkpoints land under `run_dir/<run.name>/checkpoint_<step>`; Ray keeps `checkpoint.keep` of them.
     A worker failure restarts the group (up to `max_failures` times) and the loop resumes from the last
     reported checkpoint via `ray.train.get_checkpoint()`; `resume_from` (Train V2 has no
     resume_from_checkpoint) travels in train_loop_config and is used only when Ray has no checkpoint.
-    `extra_loop_cfg` adds loop_cfg keys (see train_loops.worker: dump_dir, fail_once_at)."""
+    `extra_loop_cfg` adds loop_cfg keys (see train_loops.worker: dump_dir, fail_once_at).
+    `train_run_name` (default run.name): Ray Train's run name under run_dir; a resumed run uses a new one so
+    Ray's bookkeeping of the earlier attempt plays no part (the driver finds checkpoints under all of them)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -41,7 +43,7 @@ def build_trainer(cfg: Config, run_dir: str | Path, *, batch_source: str = "buff
         torch_config=TorchConfig(backend="nccl" if t.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
-            name=cfg.run.name,
+            name=train_run_name or cfg.run.name,
             storage_path=str(Path(run_dir).resolve()),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=FailureConfig(max_failures=max_failures),

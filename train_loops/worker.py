@@ -15,8 +15,18 @@ loop_cfg keys:
   dump_dir        tests/debugging: rank 0 writes steps.jsonl and the final full weights (full_state.safetensors)
   synthetic       {"prompt_len": P, "completion_len": C}: fixed synthetic lengths (speed benchmarks)
   profile_step    N: rank 0 runs step N under torch.profiler and writes its top ops to dump_dir/profile.txt
-  fail_once_at    tests: {"step": N, "rank": R, "marker": path}: that rank dies at the start of step N once
-                  (the marker file remembers), to exercise Ray Train's restore-from-checkpoint
+  fail_once_at    THE test hook for fault injection (tests and benchmarks only; the only one in the loop):
+                  {"step": N, "rank": R, "marker": path}: that rank dies (os._exit) at the start of step N
+                  once (the marker file remembers), to exercise Ray Train's restore-from-checkpoint.
+                  Faults can also come from outside: benchmarks/bench_reliability.py SIGKILLs a train
+                  worker's process instead.
+
+The data cursor (common/data_cursor.py): with batch_source "buffer", `state["data"]` records per data
+epoch the prompt ids the trained steps used (and groups dynamic sampling filtered); it is saved in every
+checkpoint, a restore hands the buffer back what later (lost) steps took (`RolloutBuffer.rewind`), and
+each step's row carries its prompts (`prompts`, "epoch:id") and `prompt_repeats` (must stay 0).
+Stop: the driver's Ctrl-C sets the buffer's stop flag; after the step in progress the loop checkpoints
+and ends (every rank agrees through a broadcast).
 """
 from __future__ import annotations
 
@@ -32,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import Config, from_dict, validate
+from common.data_cursor import ConsumedPrompts, parse_prompt_key, prompt_key
 from train_loops import checkpoint as ckpt
 from train_loops.batches import BUFFER_NAME, StepBatch, buffer_batch, collate, synthetic_batch
 from train_loops.losses import get_policy_loss
@@ -85,6 +96,8 @@ class GRPOWorker:
         self.token_budget = self._token_budget()
         self.state = {"step": 0, "version": 0, "consumed_groups": 0}
         self._restore()
+        self.consumed = ConsumedPrompts.from_state(self.state.get("data"))
+        self._rewind_buffer()
         self.publisher.resume_version(self.state["version"])
 
     # ------------------------------------------------------------------ the loop
@@ -96,8 +109,13 @@ class GRPOWorker:
         for step in range(self.state["step"] + 1, total + 1):
             self._maybe_fail(step)
             row = self._profiled_step(step) if step == self.loop_cfg.get("profile_step") else self.step(step)
-            if (every and step % every == 0) or step == total:
+            saved = (every and step % every == 0) or step == total
+            if saved:
                 self.save_checkpoint(step, row)
+            if step < total and self._stop_requested():
+                if not saved:
+                    self.save_checkpoint(step, row)
+                break
         self._dump_final()
 
     def step(self, step: int) -> dict:
@@ -108,6 +126,7 @@ class GRPOWorker:
         stats = self.learn(batch.samples)
         t2 = time.perf_counter()
         pub = self.publisher.maybe_publish(self.model, step)
+        prompts = self._record_prompts(batch)
         self.state.update(step=step, version=self.publisher.version,
                           consumed_groups=self.state["consumed_groups"] + len(batch.groups))
         if self.rank == 0 and self.source == "buffer":
@@ -119,7 +138,8 @@ class GRPOWorker:
         row = {**stats, **pub, "step_seconds": time.perf_counter() - t0, "batch_wait_seconds": t1 - t0,
                "learn_seconds": t2 - t1, "train_tokens_per_s": stats["seq_tokens"] / max(t2 - t1, 1e-9),
                "staleness_mean": batch.staleness_mean, "staleness_max": batch.staleness_max,
-               "dropped_samples": batch.dropped_samples, "reward_mean": reward_mean, "reward_std": reward_std}
+               "dropped_samples": batch.dropped_samples, "reward_mean": reward_mean, "reward_std": reward_std,
+               **prompts}
         if self.device.type == "cuda":
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.report(step, row)
@@ -265,7 +285,58 @@ class GRPOWorker:
         if path:
             self.state = ckpt.load(self.engine, path, rank=self.rank)
 
+    def _record_prompts(self, batch: StepBatch) -> dict:
+        """The data cursor's trainer half: this step's prompts (and the groups filtered since the last
+        step) join the record the next checkpoint saves. Returns the row's `prompts`/`prompt_repeats`."""
+        if self.source != "buffer":
+            return {}
+        keys = [prompt_key(g.epoch, g.prompt_id) for g in batch.groups]
+        for k in [*keys, *batch.filtered]:
+            self.consumed.add(*parse_prompt_key(k))
+        self.state["data"] = self.consumed.to_state()
+        return {"prompts": keys, **({"prompts_filtered": list(batch.filtered)} if batch.filtered else {}),
+                "prompt_repeats": self.consumed.repeats}
+
+    def _buffer(self):
+        """Rank 0's handle on the RolloutBuffer actor, or None (no Ray, no buffer: trainer-only tests)."""
+        if self.rank != 0 or self.source != "buffer":
+            return None
+        from train_loops.adapter_sync import ray_actor
+
+        try:
+            return ray_actor(BUFFER_NAME)
+        except ValueError:
+            return None
+
+    def _rewind_buffer(self) -> None:
+        """After a restore: prompts the buffer handed to steps this checkpoint does not hold (they died
+        with the failed workers) are handed out again. A no-op on a fresh start or a driver resume."""
+        buf = self._buffer()
+        if buf is not None:
+            import ray
+
+            ray.get(buf.rewind.remote(self.consumed.to_state()))
+
+    def _stop_requested(self) -> bool:
+        """Collective: rank 0 asks the buffer whether the driver asked to stop; every rank gets the answer."""
+        if self.source != "buffer":  # every rank knows: no buffer, no stop request, no collective
+            return False
+        flag = False
+        buf = self._buffer()
+        if buf is not None:
+            import ray
+
+            try:
+                flag = bool(ray.get(buf.stop_requested.remote(), timeout=30))
+            except Exception:  # a buffer that cannot answer asked for nothing
+                flag = False
+        obj = [flag]
+        if dist.is_initialized() and self.world > 1:
+            dist.broadcast_object_list(obj, src=0, device=self._obj_device())
+        return bool(obj[0])
+
     def _maybe_fail(self, step: int) -> None:
+        """The test hook `fail_once_at` (see the module docstring): tests and benchmarks only."""
         f = self.loop_cfg.get("fail_once_at")
         if f and step == f["step"] and self.rank == f["rank"] and not Path(f["marker"]).exists():
             Path(f["marker"]).touch()
