@@ -209,10 +209,19 @@ class RolloutBuffer:
                 "dropped_samples": self.dropped_samples, "trainer_version": self.trainer_version,
                 "outstanding": {str(k): len(v) for k, v in self._outstanding.items() if v},
                 "reset_slots": self.reset_slots, "orphan_puts": self.orphan_puts,
-                **({"prompts": {**self.source.state(), "requeued_failed": self.requeued_failed,
-                                "requeued_stale": self.requeued_stale, "requeued_reset": self.requeued_reset,
-                                "filtered": self.filtered_total, "rewound": self.rewound}}
+                **({"prompts": {**self.source.state(), "pending": self._pending(),
+                                "requeued_failed": self.requeued_failed, "requeued_stale": self.requeued_stale,
+                                "requeued_reset": self.requeued_reset, "filtered": self.filtered_total,
+                                "rewound": self.rewound}}
                    if self.source is not None else {})}
+
+    def _pending(self) -> list[str]:
+        """Prompts handed out and not yet taken by the trainer: waiting to be handed out again, being
+        generated, or queued as groups ("epoch:id")."""
+        keys = {prompt_key(e, p) for e, p in self.source.requeued}
+        keys |= {prompt_key(*slot) for slots in self._outstanding.values() for slot in slots if slot is not None}
+        keys |= {prompt_key(g.epoch, g.prompt_id) for g in self._q}
+        return sorted(keys)
 
     async def rewind(self, consumed: dict | None) -> int:
         """The trainer restored a checkpoint (a train worker group restarted): prompts it took since,

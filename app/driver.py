@@ -191,6 +191,11 @@ class Console:
 
                 src = Path(ray._private.worker._global_node.get_logs_dir_path())  # this session's logs
                 link = self.logs_dir / "ray"
+                if link.is_symlink() and Path(os.readlink(link)) != src:  # a resumed run: keep the earlier one
+                    k = 1
+                    while (self.logs_dir / f"ray-{k}").exists() or (self.logs_dir / f"ray-{k}").is_symlink():
+                        k += 1
+                    link.rename(self.logs_dir / f"ray-{k}")
                 if src.is_dir() and not link.exists():
                     link.symlink_to(src, target_is_directory=True)
             with contextlib.suppress(Exception):

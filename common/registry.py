@@ -10,14 +10,31 @@ Protocol (DESIGN.md section 2):
 - Replicas fetch payloads by version with `get` (also on restart, for every live version).
 
 It is an async actor so `get` calls from replicas are served while `publish` awaits the router.
+
+A replica (or the router ingress) lost while a version loads fails that load on every replica (all or
+nothing, rolled back); the registry then tries again, through a fresh handle, until the service has
+replaced or dropped the lost process (bounded by LOAD_RETRY_DEADLINE_S, counted in `load_retries`). A
+restarted replica loads every live version itself. A replica that refuses the payload is not retried.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 import ray
 
 from common.names import NAMESPACE, REGISTRY_NAME
+
+LOAD_RETRY_DEADLINE_S = 180.0
+_LOST = ("ActorDiedError", "RayActorError", "ActorUnavailableError", "ReplicaUnavailableError",
+         "DeploymentUnavailableError", "ActorUnschedulableError")
+
+
+def _lost(e: BaseException) -> bool:
+    """A load that failed because a replica or the ingress died, not because a replica refused it."""
+    import ray.exceptions as rex
+
+    return isinstance(e, (rex.RayActorError, rex.ActorUnschedulableError)) or any(n in str(e) for n in _LOST)
 
 
 @ray.remote(num_cpus=0)
@@ -28,15 +45,18 @@ class AdapterRegistry:
         self._live: list[int] = []
         self._history: list[dict] = []
         self._router = None  # DeploymentHandle of the router ingress
+        self._router_args: tuple | None = None
+        self.load_retries = 0
         self._keep = keep  # live versions: max_staleness + 1 (replicas hold one more slot for the swap)
 
     async def attach_router(self, app_name: str | None, deployment_name: str | None = None) -> None:
         """Attach the router ingress (`serve.get_app_handle(app_name)`), or detach with None."""
         if app_name is None:
-            self._router = None
+            self._router = self._router_args = None
             return
         from ray import serve
 
+        self._router_args = (app_name, deployment_name)
         self._router = (serve.get_deployment_handle(deployment_name, app_name) if deployment_name
                         else serve.get_app_handle(app_name))
 
@@ -50,17 +70,27 @@ class AdapterRegistry:
         self._refs[version] = ref
         self._meta[version] = dict(meta, version=version)
         load_s = 0.0
+        attempt = 0
         if self._router is not None:
             t1 = time.perf_counter()
-            try:
-                await self._router.load_adapter.remote(version)
-            except Exception:
-                self._forget(version)
-                raise
+            deadline = time.monotonic() + LOAD_RETRY_DEADLINE_S
+            while True:
+                try:
+                    await self._router.load_adapter.remote(version)
+                    break
+                except Exception as e:
+                    attempt += 1
+                    if not _lost(e) or time.monotonic() > deadline or self._router_args is None:
+                        self._forget(version)
+                        raise
+                    self.load_retries += 1
+                    await asyncio.sleep(min(2.0 * attempt, 10.0))
+                    await self.attach_router(*self._router_args)  # a fresh handle (the ingress may be new)
             load_s = time.perf_counter() - t1
         self._live.append(version)
         self._trim()
         rec = {"version": version, "nbytes": meta.get("nbytes", 0), "kind": meta.get("kind", "adapter"),
+               "load_retries": attempt if self._router is not None else 0,
                "seconds": time.perf_counter() - t0, "replica_load_seconds": load_s, "time": time.time()}
         self._history.append(rec)
         return rec
