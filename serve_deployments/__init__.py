@@ -1,1 +1,1 @@
-"""Ray Serve side: the vLLM rollout replica (replica.py) and the router/ingress in front of it."""
+"""Ray Serve side: the vLLM rollout replica (replica.py) and the Ingress in front of it (ingress.py)."""

@@ -62,6 +62,10 @@ class AdapterSlots:
         if self.inflight[version] <= 0:
             del self.inflight[version]
 
+    def digest(self, version: int) -> str | None:
+        """The sha256 of the weights `version` was loaded with (kept after eviction), or None."""
+        return self._digests.get(version)
+
     def ongoing(self) -> int:
         return sum(self.inflight.values())
 

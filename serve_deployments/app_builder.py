@@ -1,4 +1,4 @@
-"""Assemble and start the Serve application: the Router ingress in front of R vLLM replicas, and the
+"""Assemble and start the Serve application: the Ingress in front of R vLLM replicas, and the
 `python -m app serve` command that serves a model (and optionally a saved adapter) until interrupted."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from common.config import Config
-from serve_deployments.ingress import ADMIN_TOKEN_ENV, Router
+from serve_deployments.ingress import ADMIN_TOKEN_ENV, Ingress
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def build_app(cfg: Config, registry_name: str, registry_namespace: str) -> serve
     replica = RolloutReplica.options(**opts).bind(engine_kwargs(cfg), registry_name, registry_namespace,
                                                   cfg.max_loras)
     token = cfg.rollout.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
-    ingress = Router.options(ray_actor_options={
+    ingress = Ingress.options(ray_actor_options={
         "num_cpus": 0.1, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}})
     return ingress.bind(replica, str(cfg.model.path), cfg.rollout.replicas, registry_name, registry_namespace, token,
                         routing_options(cfg), max_inflight_per_replica(cfg), cfg.rollout.max_body_bytes)

@@ -39,9 +39,12 @@ def engine_env(cfg: Config) -> dict[str, str]:
 
 
 def engine_in_process(cfg: Config) -> bool:
-    """rollout.engine_in_process, or: in-process on CPU (the engine core's own process starts in ~28 s
-    there, in-process in 2-3 s), a separate engine-core process on GPU (vLLM's default: scheduling and
-    detokenizing overlap the GPU's work)."""
+    """rollout.engine_in_process (null: true on CPU, false on GPU), passed on as VLLM_ENABLE_V1_MULTIPROCESSING.
+
+    Only vLLM's synchronous LLMEngine reads that variable. The replica runs AsyncLLM, whose engine core
+    always runs in a process of its own (vllm/v1/engine/async_llm.py: `make_async_mp_client`, whatever the
+    variable says), so for the replica it changes nothing: engine start stays 10-25 s on CPU (README,
+    design notes). An in-process engine would take LLMEngine instead of AsyncLLM."""
     r = cfg.rollout
     return r.engine_in_process if r.engine_in_process is not None else r.gpus_per_replica <= 0
 

@@ -1,4 +1,4 @@
-"""The router deployment: the Serve application's ingress in front of the vLLM replicas.
+"""The Ingress deployment: the Serve application's entry point in front of the vLLM replicas.
 
 Two faces, one object:
 - OpenAI-compatible REST on Serve's HTTP port (/v1/completions, /v1/chat/completions, /v1/models,
@@ -54,9 +54,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.names import BASE_NAME
 from common.types import POLICY_LATEST, parse_policy_name, policy_name
+from serve_deployments import openai_api
+from serve_deployments.openai_api import (
+    ModelNameError,
+    base_id,
+    openai_type,
+    resolve_model,
+    resolve_version,
+    served_name,
+)
 from serve_deployments.prefix_hash import route_key
 from serve_deployments.replica_calls import ReplicaCall, call_replica
 from serve_deployments.request_router import RouteTicket, RoutingPolicy
+from serve_deployments.weight_transport import payload_kind
 
 logger = logging.getLogger("ray.serve")
 
@@ -75,7 +85,6 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
-_MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 # Absolute paths with 2+ components (not our own routes): scrubbed from every message that leaves.
 _ABS_PATH = re.compile(r"(?<![\w.:/])/(?!v1/|admin/)[\w.\-~]+(?:/[\w.\-~]*)+")
 
@@ -88,8 +97,9 @@ def _json(body, status: int = 200, headers: dict | None = None) -> Response:
                     media_type="application/json")
 
 
-def error_body(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> dict:
-    return {"error": {"message": _scrub(message), "type": type_, "param": param, "code": status}}
+def error_body(status: int, message: str, type_: str | None = None, param: str | None = None) -> dict:
+    """openai_api.error_body with the message scrubbed of server paths (every error leaves through here)."""
+    return openai_api.error_body(status, _scrub(message), type_, param)
 
 
 class APIError(Exception):
@@ -104,7 +114,7 @@ class APIError(Exception):
         return _json(error_body(self.status, self.message, self.type, self.param), self.status, self.headers)
 
 
-# The model directory (and its real path), added by the Router. Everything the Router class uses must
+# The model directory (and its real path), added by the Ingress. Everything the Ingress class uses must
 # be defined above it: Serve pickles the ingress class by value when it is decorated.
 _SCRUB_ROOTS: list[str] = []
 
@@ -122,12 +132,6 @@ def _scrub(message: str) -> str:
     for root in _SCRUB_ROOTS:
         message = message.replace(root, BASE_NAME)
     return _ABS_PATH.sub("<path>", message)
-
-
-def _openai_type(status: int) -> str:
-    """OpenAI's error type for a status (vLLM's own names, e.g. BadRequestError, are not OpenAI's)."""
-    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-            429: "rate_limit_error"}.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
 def _overloaded(limit: int) -> APIError:
@@ -161,11 +165,6 @@ def _version(text: str) -> int:
     if v is None or v < 1:
         raise APIError(400, "not a policy version (1, 2, ... or policy-vN)", param="version")
     return v
-
-
-def _base_id(model_path: str) -> str:
-    """The base model's id in /v1/models: its directory name ("base" is accepted too)."""
-    return os.path.basename(str(model_path).rstrip("/")) or BASE_NAME
 
 
 class AdapterLoadError(RuntimeError):
@@ -304,9 +303,9 @@ def _check_messages(msgs) -> list[dict]:
     return out
 
 
-@serve.deployment(name="Router", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0.1})
+@serve.deployment(name="Ingress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0.1})
 @serve.ingress(api)
-class Router:
+class Ingress:
     def __init__(self, replica: DeploymentHandle, model_path: str, num_replicas: int,
                  registry_name: str, registry_namespace: str, admin_token: str | None = None,
                  routing: dict | None = None, max_inflight_per_replica: int | None = None,
@@ -354,15 +353,6 @@ class Router:
         live = await self._reg().live_versions.remote()
         return sorted(v for v in live if v not in self._unloaded)
 
-    async def _resolve(self, version: int | None) -> int:
-        live = await self.live_versions()
-        if version is None:
-            return live[-1] if live else self._merged_version
-        if version == self._merged_version or version in live:
-            return version
-        raise APIError(404, f"{policy_name(version) if version > 0 else 'base'} is not live "
-                            f"(live: {[policy_name(v) for v in live]})", "not_found_error", "model")
-
     async def _key(self, token_ids: list[int], version: int) -> dict | None:
         """The prompt's route key under `version`, or None under Serve's built-in router."""
         if self._policy is None:
@@ -385,9 +375,6 @@ class Router:
             return [], [e]
         return ([r for r in results if not isinstance(r, BaseException)],
                 [r for r in results if isinstance(r, BaseException)])
-
-    def _served_name(self, version: int) -> str:
-        return policy_name(version) if version > 0 else BASE_NAME
 
     async def registry_sha(self, version: int) -> str | None:
         """The registry's sha256 of a version (None for the original base model), cached."""
@@ -415,8 +402,8 @@ class Router:
         if not ids or len(ids) >= info["max_model_len"]:
             raise ValueError(f"generate_group: prompt has {len(ids)} tokens; it must be 1..{info['max_model_len'] - 1}")
         try:
-            v = await self._resolve(version)
-        except APIError as e:
+            v = resolve_version(version, await self.live_versions(), self._merged_version)
+        except ModelNameError as e:
             raise ValueError(e.message) from None
         key = await self._key(ids, v)
         req = {"prompt_token_ids": ids, "version": v, "sampling": dict(sampling or {})}
@@ -440,7 +427,7 @@ class Router:
                     raise
                 self._counts["replica_retries"] = self._counts.get("replica_retries", 0) + 1
                 logger.warning("generate: replica lost (%s); retry %d of %d under %s", _short(e), attempt + 1,
-                               REPLICA_RETRY_ATTEMPTS - 1, self._served_name(req["version"]))
+                               REPLICA_RETRY_ATTEMPTS - 1, served_name(req["version"]))
                 await asyncio.sleep(min(REPLICA_RETRY_BACKOFF_S * 2 ** attempt, 4.0, left))
         raise AssertionError("unreachable")
 
@@ -449,7 +436,7 @@ class Router:
         failure it is unloaded from the replicas that took it and the error raised; what was live
         stays live. A merged payload (merge mode) goes to `update_weights` instead: same protocol."""
         try:
-            kind = (await self._reg().get.remote(version))["meta"].get("kind", "adapter")
+            kind = payload_kind((await self._reg().get.remote(version))["meta"])
         except Exception:
             kind = "adapter"  # the replicas answer the clear "registry does not hold it" error
         if kind == "merged":
@@ -503,7 +490,7 @@ class Router:
         return {"resumed": len(ok)}
 
     async def stats(self) -> dict:
-        """Router counters (affinity / spill / unmatched, predicted hit blocks), admission counters
+        """Routing counters (affinity / spill / unmatched, predicted hit blocks), admission counters
         (in flight, limit, 429/413/4xx answers, version mismatches) and every replica's own stats,
         including vLLM's prefix-cache hits and queries."""
         ok, errors = await self._broadcast("stats")
@@ -558,7 +545,7 @@ class Router:
         card = lambda mid, parent=None: {"id": mid, "object": "model", "created": now,  # noqa: E731
                                          "owned_by": "lora-grpo", "root": mid, "parent": parent,
                                          "max_model_len": info["max_model_len"]}
-        base = _base_id(info["model"])
+        base = base_id(info["model"])
         data = [card(base)] + ([card(BASE_NAME)] if base != BASE_NAME else [])
         data += [card(policy_name(v), base) for v in live]
         if live:
@@ -609,7 +596,7 @@ class Router:
             status = int(out.get("status_code") or err.get("code") or 400)
             if status < 500:
                 self._counts["rejected_4xx"] += 1
-            return _json(error_body(status, str(err.get("message", "")), _openai_type(status), err.get("param")),
+            return _json(error_body(status, str(err.get("message", "")), openai_type(status), err.get("param")),
                          status)
         served = int(out.get("version", version))
         sha = out.pop("sha256", None)
@@ -621,7 +608,7 @@ class Router:
         return _json(out, headers=self._version_headers(served, sha))
 
     def _version_headers(self, version: int, sha: str | None) -> dict:
-        h = {"x-policy-version": str(version), "x-served-model": self._served_name(version)}
+        h = {"x-policy-version": str(version), "x-served-model": served_name(version)}
         if sha:
             h["x-adapter-sha256"] = sha
         return h
@@ -630,7 +617,7 @@ class Router:
         cause = getattr(e, "cause", None) or e
         status = getattr(cause, "status_code", None)
         if isinstance(status, int) and 400 <= status < 500:
-            return APIError(status, _short(e).split(": ", 1)[-1], _openai_type(status))
+            return APIError(status, _short(e).split(": ", 1)[-1], openai_type(status))
         logger.warning("replica failed %s: %s", path, _short(e))
         return APIError(503, "no replica could serve this request; retry", "server_error",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -655,7 +642,7 @@ class Router:
             await self._end_stream(call, gen, release)
             status = int(err.get("status_code") or err["error"].get("code") or 400)
             e = err["error"]
-            return _json(error_body(status, str(e.get("message", "")), _openai_type(status), e.get("param")), status)
+            return _json(error_body(status, str(e.get("message", "")), openai_type(status), e.get("param")), status)
         # Headers leave before the replica's last chunk: the digest is the registry's for the
         # version this request was pinned to (every chunk's `model` names that version).
         try:
@@ -731,12 +718,15 @@ class Router:
         return body
 
     async def _validate(self, body: dict, chat: bool) -> tuple[list[int], int, int]:
-        """Check what the router can check before a replica sees it; pin the model to the exact
+        """Check what the ingress can check before a replica sees it; pin the model to the exact
         version it runs under. Returns the (first) prompt's token ids, that version, and the number
         of sequences the request asks for (its weight against the in-flight limit)."""
         info = await self._engine_info()
-        version = await self._model_version(body.get("model"), info["model"])
-        body["model"] = self._served_name(version)
+        try:
+            version = resolve_model(body.get("model"), await self.live_versions(), self._merged_version, info["model"])
+        except ModelNameError as e:
+            raise APIError(e.status, e.message, openai_type(e.status), "model") from None
+        body["model"] = served_name(version)
         if not isinstance(body.get("stream", False), (bool, type(None))):
             raise APIError(400, f"stream must be a boolean, got {_show(body['stream'])}", param="stream")
         limit = info["max_model_len"]
@@ -755,26 +745,6 @@ class Router:
             raise APIError(400, f"the request asks for {weight} sequences (n x prompts); this server admits at "
                                 f"most {self._max_inflight} at once", param="n")
         return prompts[0], version, weight
-
-    async def _model_version(self, model, base: str) -> int:
-        if model in (None, "", BASE_NAME, _base_id(base)):
-            return self._merged_version
-        if not isinstance(model, str):
-            raise APIError(400, f"model must be a string, got {type(model).__name__}", param="model")
-        if not _MODEL_ID.fullmatch(model):  # paths, traversal, control characters: never echoed
-            raise APIError(400, "model is not a model id (ids are like base, policy-v3, policy-latest); see "
-                                "GET /v1/models", param="model")
-        live = await self.live_versions()
-        if model == POLICY_LATEST:
-            if not live:
-                raise APIError(404, f"{POLICY_LATEST}: no policy version is live yet", "not_found_error", "model")
-            return live[-1]
-        v = parse_policy_name(model)
-        if v is None or v not in live:
-            names = [_base_id(base), BASE_NAME] + [policy_name(x) for x in live] + ([POLICY_LATEST] if live else [])
-            raise APIError(404, f"model {model!r} does not exist; serving: {', '.join(dict.fromkeys(names))}",
-                           "not_found_error", "model")
-        return v
 
     def _encode(self, text: str, limit: int) -> list[int]:
         if len(text) > self._max_token_chars * limit:  # cannot fit whatever it tokenizes to

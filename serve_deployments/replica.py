@@ -10,6 +10,10 @@ Protocol (DESIGN.md section 2), this replica's side:
 - Merge mode: `update_weights(N)` reloads full weights in place; the base model then IS policy-vN and
   older versions fail clearly.
 
+The deployment composes separate objects: the engine (vLLM AsyncLLM), the adapter slots
+(adapter_slots.py) and the two weight transports (weight_transport.py: adapter vs merge mode), vLLM's
+own OpenAI serving classes, and the model-name rules it shares with the ingress (openai_api.py).
+
 All methods are async and run on Serve's user event loop, so bookkeeping between awaits is atomic.
 """
 from __future__ import annotations
@@ -26,47 +30,23 @@ from pathlib import Path
 import ray
 from ray import serve
 
-from common.adapter_io import AdapterError
 from common.names import BASE_NAME
-from common.types import POLICY_LATEST, lora_int_id, parse_policy_name, policy_name
-from serve_deployments.adapter_slots import AdapterSlots, SlotsFullError
-from serve_deployments.adapter_store import (
-    BaseModelShapes,
-    remove_dir,
-    scratch_root,
-    verify_adapter,
-    verify_merged,
-    write_adapter_dir,
-)
+from common.types import policy_name
+from serve_deployments.adapter_slots import AdapterSlots
+from serve_deployments.adapter_store import BaseModelShapes, remove_dir, scratch_root
+from serve_deployments.openai_api import COMPLETIONS, ROUTES, ModelNameError, error_body, resolve_model, served_name
+from serve_deployments.weight_transport import AdapterTransport, MergedTransport, ReplicaError, payload_kind
 
 log = logging.getLogger("ray.serve")
 
-ROUTES = ("/v1/completions", "/v1/chat/completions")
 # SamplingParams fields generate() passes through besides max_tokens/temperature/top_p/seed/logprobs.
 _SAMPLING_EXTRA = ("top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
                    "presence_penalty", "frequency_penalty")
 
 
-class ReplicaError(ValueError):
-    """A request or load this replica refuses, with the HTTP status the ingress should answer."""
-
-    def __init__(self, message: str, status_code: int = 400):
-        super().__init__(message)
-        self.status_code = status_code
-
-    def __reduce__(self):  # keep status_code when Ray pickles it to the caller
-        return (type(self), (str(self), self.status_code))
-
-    def to_dict(self) -> dict:
-        return error_dict(str(self), self.status_code)
-
-
-def error_dict(message: str, status_code: int, err_type: str | None = None) -> dict:
-    """OpenAI-style error body plus the status code the ingress answers with."""
-    err_type = err_type or ("NotFoundError" if status_code == 404 else "BadRequestError"
-                            if status_code < 500 else "InternalServerError")
-    return {"error": {"message": message, "type": err_type, "param": None, "code": status_code},
-            "status_code": status_code}
+def error_dict(message: str, status_code: int) -> dict:
+    """OpenAI's error body plus the status code the ingress answers with."""
+    return {**error_body(status_code, message), "status_code": status_code}
 
 
 class _PrefixCacheCounter:
@@ -136,14 +116,21 @@ class RolloutReplica:
         self._open = asyncio.Event()  # cleared while merged weights are swapped in
         self._open.set()
         self._draining: set[int] = set()  # versions being unloaded: refuse new requests
-        self._base_version = 0  # what the engine's base weights are: 0 = the original model
-        self._base_sha: str | None = None  # digest of the merged payload the base weights came from
-        self.add_lora_ms: list[float] = []
         self.rejected: dict[int, str] = {}  # live versions whose payload failed verification at start
         self._init_openai()
+        # The weight transports (sync.mode adapter / merge); the adapters' LoRA requests live in vLLM's
+        # OpenAI model registry, where its serving classes look names up.
+        self._adapters = AdapterTransport(self.engine, self._slots, self._shapes, self._scratch, self._max_rank,
+                                          requests=self._models.lora_requests)
+        self._merged = MergedTransport(self.engine, self._shapes, self._scratch)
         await self._load_live_versions()
         log.info("replica %s ready in %.1fs (engine %.1fs), versions %s, block size %d", self.replica_id,
                  time.perf_counter() - t0, self.engine_start_s, self._slots.versions(), self.block_size)
+
+    @property
+    def _base_version(self) -> int:
+        """What the engine's base weights are: 0 = the original model, N = merged policy-vN (merge mode)."""
+        return self._merged.version
 
     def _init_openai(self):
         """vLLM's own OpenAI serving classes over this engine: schema, validation, logprobs, SSE."""
@@ -166,10 +153,10 @@ class RolloutReplica:
         outnumber the slots; merged payloads set the base weights instead)."""
         live = sorted(await self._registry.live_versions.remote())
         metas = {v: (await self._registry.get.remote(v))["meta"] for v in live}
-        merged = [v for v in live if metas[v].get("kind") == "merged"]
+        merged = [v for v in live if payload_kind(metas[v]) == "merged"]
         if merged:
             await self.update_weights(max(merged))
-        adapters = [v for v in live if metas[v].get("kind", "adapter") == "adapter" and v > self._base_version]
+        adapters = [v for v in live if payload_kind(metas[v]) == "adapter" and v > self._base_version]
         for v in adapters[-self._max_loras:]:
             try:
                 await self.load_adapter(v)
@@ -197,38 +184,14 @@ class RolloutReplica:
             return await self._load_locked(version)
 
     async def _load_locked(self, version: int) -> dict:
-        from vllm.lora.request import LoRARequest
-
         if self._base_version and version <= self._base_version:
             raise ReplicaError(f"{policy_name(version)} predates the merged weights of "
                                f"{policy_name(self._base_version)} this replica serves as its base model", 410)
         t0 = time.perf_counter()
         tensors, meta = await self._fetch(version)
-        try:
-            verify_adapter(tensors, meta, self._shapes, self._max_rank)
-            self._slots.check_digest(version, meta["sha256"])
-        except (AdapterError, ValueError) as e:
-            raise ReplicaError(f"{policy_name(version)} rejected: {e}", 422) from e
-        try:
-            victim = self._slots.victim()
-        except SlotsFullError as e:
-            raise ReplicaError(str(e), 503) from e
-        if victim is not None:
-            await self._evict(victim)
-        name = policy_name(version)
-        path = write_adapter_dir(tensors, meta, self._scratch, f"{name}-{meta['sha256'][:12]}")
-        req = LoRARequest(name, lora_int_id(version), str(path))
-        t1 = time.perf_counter()
-        try:
-            await self.engine.add_lora(req)
-        except Exception as e:
-            remove_dir(path)
-            raise ReplicaError(f"{name} rejected by the engine: {e}", 422) from e
-        self.add_lora_ms.append((time.perf_counter() - t1) * 1e3)
-        self._slots.add(version, str(path), meta["sha256"])
-        self._models.lora_requests[name] = req  # visible to the OpenAI serving classes
+        out = await self._adapters.load(version, tensors, meta)
         return {"version": version, "loaded": True, "already": False, "replica_id": self.replica_id,
-                "evicted": victim, "seconds": time.perf_counter() - t0, "add_lora_ms": self.add_lora_ms[-1]}
+                "evicted": out["evicted"], "seconds": time.perf_counter() - t0, "add_lora_ms": out["add_lora_ms"]}
 
     async def _fetch(self, version: int) -> tuple[dict, dict]:
         try:
@@ -238,14 +201,6 @@ class RolloutReplica:
                                f"({_root_message(e)})", 404) from e
         tensors = await entry["ref"][0]
         return tensors, entry["meta"]
-
-    async def _evict(self, version: int) -> None:
-        """Only called for a version with nothing in flight, under the load lock."""
-        path = self._slots.remove(version)  # before any await: no request can take it meanwhile
-        self._models.lora_requests.pop(policy_name(version), None)
-        await self.engine.remove_lora(lora_int_id(version))
-        if path:
-            remove_dir(path)
 
     async def unload_adapter(self, version: int, timeout_s: float = 600.0) -> bool:
         """Drop a version: new requests for it are refused at once, in-flight ones finish first.
@@ -264,7 +219,7 @@ class RolloutReplica:
             async with self._load_lock:
                 if not self._slots.is_loaded(version):
                     return False
-                await self._evict(version)
+                await self._adapters.evict(version)
                 return True
         finally:
             self._draining.discard(version)
@@ -286,7 +241,7 @@ class RolloutReplica:
             # No await between the check above and acquire: eviction cannot slip in.
             if not self._slots.is_loaded(version):
                 raise ReplicaError(f"{policy_name(version)} was evicted while loading; retry", 503)
-            lora = self._models.lora_requests[policy_name(version)]
+            lora = self._adapters.request(version)
         self._slots.acquire(version)
         try:
             yield lora
@@ -329,30 +284,11 @@ class RolloutReplica:
                 "finish_reason": c.finish_reason, "version": version, "prompt_token_ids": prompt_ids,
                 "replica_id": self.replica_id, "sha256": self._served_sha(version)}
 
-    def _served_name(self, version: int) -> str:
-        """The public id of what served a request: `policy-vN` (also for policy-latest), or `base`."""
-        return policy_name(version) if version > 0 else BASE_NAME
-
     def _served_sha(self, version: int) -> str | None:
         """sha256 of the payload behind `version` on this replica (None for the original base model)."""
         if version == self._base_version:
-            return getattr(self, "_base_sha", None)
-        return self._slots._digests.get(version)  # fixed per version: a name never gets other weights
-
-    def _resolve_model(self, model: str | None) -> int:
-        if model in (None, "", BASE_NAME, Path(self._model).name, self._model):
-            return self._base_version
-        if model == POLICY_LATEST:
-            if not self._slots.loaded:
-                if self._base_version:
-                    return self._base_version
-                raise ReplicaError("policy-latest: no policy version is loaded yet", 404)
-            return max(self._slots.loaded)
-        v = parse_policy_name(model)
-        if v is None:
-            raise ReplicaError(f"The model `{model}` does not exist. Use `{BASE_NAME}`, `policy-vN` or "
-                               f"`{POLICY_LATEST}`.", 404)
-        return v
+            return self._merged.sha256
+        return self._slots.digest(version)  # fixed per version: a name never gets other weights
 
     async def _openai_call(self, path: str, body: dict):
         """Validate with vLLM's request models and run vLLM's serving class; returns (version, result)."""
@@ -365,36 +301,43 @@ class RolloutReplica:
         if path not in ROUTES:
             raise ReplicaError(f"unknown route {path}; this replica serves {', '.join(ROUTES)}", 404)
         self._check_seed(body.get("seed"))
-        version = self._resolve_model(body.get("model"))
+        try:  # the ingress sends exact names; aliases mean what they mean there (openai_api)
+            live = sorted(await self._registry.live_versions.remote())
+            version = resolve_model(body.get("model"), live, self._base_version, self._model)
+        except ModelNameError as e:
+            raise ReplicaError(e.message, e.status) from None
         body = dict(body, model=BASE_NAME if version == self._base_version else policy_name(version))
         try:
-            request = (CompletionRequest if path == ROUTES[0] else ChatCompletionRequest).model_validate(body)
+            request = (CompletionRequest if path == COMPLETIONS else ChatCompletionRequest).model_validate(body)
         except ValidationError as e:
             raise ReplicaError(str(e), 400) from e
         return version, request
 
     async def openai(self, path: str, body: dict) -> dict:
         """Non-streaming OpenAI completion / chat completion; errors come back as a dict."""
-        requested = body.get("model")
         try:
             version, request = await self._openai_call(path, dict(body, stream=False))
             async with self._hold(version):
-                serving = self._completion if path == ROUTES[0] else self._chat
-                result = await (serving.create_completion(request) if path == ROUTES[0]
-                                else serving.create_chat_completion(request))
+                result = await self._create(path, request)
         except ReplicaError as e:
-            return e.to_dict()
+            return error_dict(str(e), e.status_code)
         except Exception as e:  # vLLM's own request errors (validation etc.) -> its status codes
             return _vllm_error(e)
-        return self._openai_result(result, requested, version)
+        return self._openai_result(result, version)
 
-    def _openai_result(self, result, _requested, version) -> dict:
+    async def _create(self, path: str, request):
+        """vLLM's serving class for the route: a response, an ErrorResponse, or a stream of SSE lines."""
+        if path == COMPLETIONS:
+            return await self._completion.create_completion(request)
+        return await self._chat.create_chat_completion(request)
+
+    def _openai_result(self, result, version) -> dict:
         from serve_deployments.vllm_compat import ErrorResponse
 
         if isinstance(result, ErrorResponse):
-            return error_dict(result.error.message, result.error.code, result.error.type)
+            return error_dict(result.error.message, result.error.code)
         out = result.model_dump(mode="json", exclude_none=True)
-        out["model"] = self._served_name(version)  # never a server path, never an alias
+        out["model"] = served_name(version)  # never a server path, never an alias
         out["version"] = version
         out["sha256"] = self._served_sha(version)  # the ingress moves it to the x-adapter-sha256 header
         out["replica_id"] = self.replica_id
@@ -407,20 +350,18 @@ class RolloutReplica:
         try:
             version, request = await self._openai_call(path, dict(body, stream=True))
         except ReplicaError as e:
-            yield f"data: {json.dumps(e.to_dict())}\n\n"
+            yield f"data: {json.dumps(error_dict(str(e), e.status_code))}\n\n"
             return
         try:
             async with self._hold(version):
-                serving = self._completion if path == ROUTES[0] else self._chat
-                result = await (serving.create_completion(request) if path == ROUTES[0]
-                                else serving.create_chat_completion(request))
+                result = await self._create(path, request)
                 if not hasattr(result, "__aiter__"):
-                    yield f"data: {json.dumps(self._openai_result(result, body.get('model'), version))}\n\n"
+                    yield f"data: {json.dumps(self._openai_result(result, version))}\n\n"
                     return
                 async for chunk in result:
                     yield chunk
         except ReplicaError as e:
-            yield f"data: {json.dumps(e.to_dict())}\n\n"
+            yield f"data: {json.dumps(error_dict(str(e), e.status_code))}\n\n"
         except Exception as e:
             yield f"data: {json.dumps(_vllm_error(e))}\n\n"
 
@@ -435,8 +376,6 @@ class RolloutReplica:
 
     async def update_weights(self, version: int) -> dict:
         """Merge mode: make policy-vN's merged full weights the engine's base weights."""
-        from safetensors.torch import save_file
-
         version = int(version)
         if version == self._base_version:
             return {"version": version, "already": True, "replica_id": self.replica_id}
@@ -446,17 +385,12 @@ class RolloutReplica:
             )
         t0 = time.perf_counter()
         meta = (await self._registry.get.remote(version))["meta"]
-        if meta.get("sha256") and meta["sha256"] == self._base_sha:
+        if self._merged.holds(version, meta):
             # A tagged version (the trainer's weights did not move): the engine already holds them.
-            self._base_version = version
+            self._merged.tag(version)
             return {"version": version, "already": True, "replica_id": self.replica_id}
         tensors, meta = await self._fetch(version)
-        try:
-            verify_merged(tensors, meta, self._shapes)
-        except AdapterError as e:
-            raise ReplicaError(f"{policy_name(version)} merged weights rejected: {e}", 422) from e
-        path = self._scratch / f"merged-{policy_name(version)}.safetensors"
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+        path = self._merged.stage(version, tensors, meta)
         del tensors
         async with self._load_lock:
             # No request may run across the swap: close admission, let in-flight ones finish.
@@ -464,12 +398,9 @@ class RolloutReplica:
             try:
                 while self._slots.ongoing():
                     await asyncio.sleep(0.01)
-                await self.engine.collective_rpc("load_merged_weights", args=(str(path),))
+                await self._merged.swap(version, path, meta.get("sha256"))
                 # Adapters were deltas on the old base; reload_weights also dropped the runner's LoRA state.
-                for v in list(self._slots.loaded):
-                    await self._evict(v)
-                await self.engine.reset_prefix_cache()
-                self._base_version, self._base_sha = version, meta.get("sha256")
+                await self._adapters.evict_all()
             finally:
                 self._open.set()
                 path.unlink(missing_ok=True)
@@ -483,7 +414,8 @@ class RolloutReplica:
                 "inflight_by_version": dict(self._slots.inflight), "prefix_cache_hits": self._prefix.hits,
                 "prefix_cache_queries": self._prefix.queries, "block_size": self.block_size,
                 "base_version": self._base_version, "engine_start_s": self.engine_start_s,
-                "add_lora_ms": list(self.add_lora_ms[-16:]), "rejected": dict(self.rejected), "pid": os.getpid()}
+                "add_lora_ms": list(self._adapters.add_lora_ms[-16:]), "rejected": dict(self.rejected),
+                "pid": os.getpid()}
 
     async def engine_info(self) -> dict:
         return {"block_size": self.block_size, "max_model_len": self.max_model_len, "model": self._model,
@@ -510,7 +442,7 @@ def _vllm_error(e: Exception) -> dict:
     r = create_error_response(e)
     if r.error.code >= 500:
         log.exception("openai request failed")
-    return error_dict(r.error.message, r.error.code, r.error.type)
+    return error_dict(r.error.message, r.error.code)
 
 
 def _vname(version: int) -> str:

