@@ -41,12 +41,21 @@ def fan():
             await asyncio.sleep(0.05)
             return {"replica": serve.get_replica_context().replica_id.unique_id, "x": x, "kwargs": kwargs}
 
+    # router.policy serve_default: the same calls, Serve's own router, no ticket.
+    Plain = serve.deployment(Echo.func_or_class, name="Plain", num_replicas=2, max_ongoing_requests=32,
+                             ray_actor_options={"num_cpus": 0.1})
+
     @serve.deployment(ray_actor_options={"num_cpus": 0.1})
     class Fan:
-        def __init__(self, echo):
+        def __init__(self, echo, plain):
             from serve_deployments.request_router import RoutingPolicy
 
-            self.echo, self.policy = echo, RoutingPolicy()
+            self.echo, self.plain, self.policy = echo, plain, RoutingPolicy()
+
+        async def untracked(self, n: int) -> list:
+            from serve_deployments.replica_calls import call_replica
+
+            return list(await asyncio.gather(*[call_replica(self.plain, "who", i) for i in range(n)]))
 
         async def group(self, n: int, tokens: list[int]) -> dict:
             from serve_deployments.prefix_hash import route_key
@@ -72,7 +81,7 @@ def fan():
             await asyncio.gather(*pending, return_exceptions=True)
             return sum(1 for t in done if t.exception() is None)
 
-    handle = serve.run(Fan.bind(Echo.bind()), name=APP, route_prefix=None)
+    handle = serve.run(Fan.bind(Echo.bind(), Plain.bind()), name=APP, route_prefix=None)
     try:
         yield handle
     finally:
@@ -91,6 +100,11 @@ def test_group_of_routed_calls_lands_on_the_chosen_replica(fan):
     # Another prompt: a new group, again on one replica (the least loaded: both are idle).
     second = fan.group.remote(4, list(range(100, 116))).result(timeout_s=60)
     assert len({o["replica"] for o in second["outs"]}) == 1
+
+
+def test_calls_without_ticket_under_serves_own_router(fan):
+    outs = fan.untracked.remote(6).result(timeout_s=60)
+    assert sorted(o["x"] for o in outs) == list(range(6)) and all(o["kwargs"] == {} for o in outs)
 
 
 def test_calls_sharing_a_request_id_get_no_replica(fan):
