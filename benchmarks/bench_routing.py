@@ -69,7 +69,7 @@ from benchmarks._common import (  # noqa: E402
 TARGET_AFFINITY = 0.87
 TARGET_SPILL = 0.01
 TARGET_SPEEDUP = 1.3
-# name -> (router.policy, router.skip_generic). prefix_plain = the same PrefixPolicy with skip_generic=False:
+# name -> (router.policy, router.skip_generic). prefix_plain = the same RoutingPolicy with skip_generic=False:
 # plain longest match from the first block.
 POLICIES = {"prefix": ("prefix", True), "prefix_plain": ("prefix", False), "round_robin": ("round_robin", True),
             "serve_default": ("serve_default", True)}
@@ -584,7 +584,7 @@ def main(argv=None) -> int:
                "affinity": "engine-measured: replica id in each response; a request counts when its replica already "
                            "had (or was concurrently given) its (prompt, adapter) prefix; first_sight = groups whose "
                            "prefix is new (ceiling (G-1)/G), revisit = pass 3 revisiting pass 1",
-               "router": "PrefixPolicy counters (affinity / spill / unmatched, predicted hit blocks), delta over the "
+               "router": "RoutingPolicy counters (affinity / spill / unmatched, predicted hit blocks), delta over the "
                          "throughput pass; none for serve_default. predicted_hit_rate is per cacheable block (vLLM "
                          "never reuses the last prompt token's block), predicted_hit_rate_tokens per prompt token "
                          "like the engine's",
