@@ -9,11 +9,13 @@
 (b) Transport path, synthetic payloads shaped like Qwen2.5-1.5B (bf16, LoRA on all 7 projections) at
     several ranks, and the full merged weights: the real AdapterRegistry, attached to a Serve app whose
     ingress broadcasts `load_adapter` to N lightweight replicas WITHOUT a vLLM engine. Each replica does
-    what RolloutReplica does before `add_lora`: registry.get, ray.get the tensors, verify (digest +
-    shapes against the base model's config, serve_deployments.adapter_store), write the PEFT dir (merged:
-    a safetensors file) to /dev/shm. The merged weights are measured on the first `--merged-layers`
-    decoder layers (default 4 of 28, ~375 MB) and extrapolated linearly in bytes to the full ~3.1 GB
-    (the full payload would need ~(2 + 2N) x 3.1 GB of RAM and /dev/shm on a shared 24 GiB machine);
+    what RolloutReplica does, through its own weight transports (serve_deployments/weight_transport.py)
+    over an engine whose calls do nothing: registry.get, ray.get the tensors, then `AdapterTransport.load`
+    (verify digest + shapes against the base model's config, adapter slots, write the PEFT dir to
+    /dev/shm) or `MergedTransport.stage` + `swap` (verify, write a safetensors file). The merged weights
+    are measured on the first `--merged-layers` decoder layers (default 4 of 28, ~375 MB) and
+    extrapolated linearly in bytes to the full ~3.1 GB (the full payload would need ~(2 + 2N) x 3.1 GB
+    of RAM and /dev/shm on a shared 24 GiB machine);
     `--merged-layers 28` measures the fraction of all layers (still without the embedding).
 
     python -m app bench adapter_sync               # default: R = 1,2,4; ranks 1,8,64; N = 4 sinks
@@ -164,14 +166,28 @@ def _transport_deployments():
     """Defined inside a function so Serve pickles them by value (this file is not an importable module)."""
     from ray import serve
 
+    class NoEngine:
+        """The engine calls of the weight transports, doing nothing: what is timed is everything else."""
+
+        async def add_lora(self, request) -> None:
+            pass
+
+        async def remove_lora(self, lora_id: int) -> None:
+            pass
+
+        async def collective_rpc(self, method: str, args=()) -> None:
+            pass
+
+        async def reset_prefix_cache(self) -> None:
+            pass
+
     @serve.deployment(ray_actor_options={"num_cpus": 0.1})
     class SinkReplica:
-        """RolloutReplica's load path up to the engine call, through the same production pieces and in the
-        same order (serve_deployments.replica `_load_locked` / `update_weights`): registry.get, fetch the
-        tensors, `adapter_store.verify_adapter` + `AdapterSlots.check_digest` (merged: `verify_merged`),
-        evict the `AdapterSlots.victim()`, `adapter_store.write_adapter_dir` on the replica's tmpfs scratch
-        (merged: the safetensors file update_weights writes), `AdapterSlots.add`. Only `add_lora` /
-        `load_merged_weights` (the engine) is left out. `merged_layers`: the merged payloads carry only the
+        """RolloutReplica's load path with the engine left out: the replica's own weight transports
+        (serve_deployments/weight_transport.py) over `NoEngine`. Adapter: `AdapterTransport.load` (verify
+        against the base config, slot digest check, evict the slots' victim, write the PEFT dir to tmpfs,
+        register). Merged: `MergedTransport.stage` (verify, write the safetensors file) and `swap`, then the
+        adapters dropped, as `update_weights` does. `merged_layers`: the merged payloads carry only the
         first N decoder layers, so the shapes checked for completeness are those layers'."""
 
         def __init__(self, registry_name: str, namespace: str, model_dir: str, max_rank: int, max_loras: int,
@@ -180,22 +196,21 @@ def _transport_deployments():
 
             from serve_deployments.adapter_slots import AdapterSlots
             from serve_deployments.adapter_store import BaseModelShapes, scratch_root
+            from serve_deployments.weight_transport import AdapterTransport, MergedTransport
 
             self._registry = ray.get_actor(registry_name, namespace=namespace)
-            self._shapes = BaseModelShapes(model_dir)
-            self._merged_shapes = BaseModelShapes(model_dir)
+            shapes = BaseModelShapes(model_dir)
+            merged_shapes = BaseModelShapes(model_dir)
             layers = tuple(f"model.layers.{i}." for i in range(merged_layers))
-            self._merged_shapes.params = {n: s for n, s in self._shapes.params.items() if n.startswith(layers)}
-            self._max_rank = max_rank
-            self._slots = AdapterSlots(max_loras)
+            merged_shapes.params = {n: s for n, s in shapes.params.items() if n.startswith(layers)}
             self._scratch = scratch_root("bench-sink")
+            engine = NoEngine()
+            self._adapters = AdapterTransport(engine, AdapterSlots(max_loras), shapes, self._scratch, max_rank,
+                                              lora_request=lambda name, int_id, path: (name, int_id, path))
+            self._merged = MergedTransport(engine, merged_shapes, self._scratch)
 
         async def load_adapter(self, version: int) -> dict:
-            from safetensors.torch import save_file
-
-            from common.adapter_io import AdapterError
-            from common.types import policy_name
-            from serve_deployments.adapter_store import remove_dir, verify_adapter, verify_merged, write_adapter_dir
+            from serve_deployments.weight_transport import payload_kind
 
             t0 = time.perf_counter()
             entry = await self._registry.get.remote(version)
@@ -203,33 +218,16 @@ def _transport_deployments():
             tensors = await entry["ref"][0]
             t2 = time.perf_counter()
             meta = entry["meta"]
-            try:
-                if meta["kind"] == "merged":
-                    verify_merged(tensors, meta, self._merged_shapes)
-                else:
-                    verify_adapter(tensors, meta, self._shapes, self._max_rank)
-                    self._slots.check_digest(version, meta["sha256"])
-            except (AdapterError, ValueError) as e:
-                raise RuntimeError(f"{policy_name(version)} rejected: {e}") from e
-            t3 = time.perf_counter()
-            if meta["kind"] == "merged":
-                path = self._scratch / f"merged-{policy_name(version)}.safetensors"
-                save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
-                t4 = time.perf_counter()
-                path.unlink(missing_ok=True)  # the replica deletes it once the engine loaded it
-                for v in list(self._slots.loaded):  # and drops its adapters: deltas on the old base
-                    remove_dir(self._slots.remove(v))
+            if payload_kind(meta) == "merged":
+                path = self._merged.stage(version, tensors, meta)
+                await self._merged.swap(version, path, meta.get("sha256"))
+                await self._adapters.evict_all()
             else:
-                victim = self._slots.victim()
-                if victim is not None:
-                    remove_dir(self._slots.remove(victim))
-                name = policy_name(version)
-                path = write_adapter_dir(tensors, meta, self._scratch, f"{name}-{meta['sha256'][:12]}")
-                self._slots.add(version, str(path), meta["sha256"])
-                t4 = time.perf_counter()
+                await self._adapters.load(version, tensors, meta)
+            t3 = time.perf_counter()
             del tensors
-            return {"registry_get_s": t1 - t0, "fetch_s": t2 - t1, "verify_s": t3 - t2, "write_s": t4 - t3,
-                    "replica_total_s": t4 - t0, "pid": os.getpid()}
+            return {"registry_get_s": t1 - t0, "fetch_s": t2 - t1, "load_s": t3 - t2, "replica_total_s": t3 - t0,
+                    "pid": os.getpid()}
 
         def __del__(self):
             from serve_deployments.adapter_store import remove_dir
@@ -361,8 +359,7 @@ def transport(args, tmp: Path) -> dict:
                      "arg_transfer_s": (t_r - t_q) - rec["seconds"],
                      "registry_reput_s": rec["seconds"] - rec["replica_load_seconds"],
                      "broadcast_s": rec["replica_load_seconds"],
-                     **{k: max(x[k] for x in reps) for k in ("registry_get_s", "fetch_s", "verify_s", "write_s",
-                                                             "replica_total_s")},
+                     **{k: max(x[k] for x in reps) for k in ("registry_get_s", "fetch_s", "load_s", "replica_total_s")},
                      "total_s": t_r - t_p, "total_with_digest_s": t_r - t_d}
                 if i:
                     recs.append(r)
@@ -514,8 +511,8 @@ def report(doc: dict) -> dict:
         print(f"\n(b) transport path, Qwen2.5-1.5B shape, bf16, {t['replicas']} engine-less replicas "
               f"(seconds; replica stages = slowest replica per publish)")
         cols = ["digest_s", "put_s", "arg_transfer_s", "registry_reput_s", "broadcast_s", "registry_get_s", "fetch_s",
-                "verify_s", "write_s", "total_s"]
-        hdr = ["digest", "put", "arg", "reput", "bcast", "reg.get", "fetch", "verify", "write", "TOTAL"]
+                "load_s", "total_s"]
+        hdr = ["digest", "put", "arg", "reput", "bcast", "reg.get", "fetch", "load", "TOTAL"]
         for q in ("p50", "p95"):
             print(f"{q:<4} {'payload':<27} {'MiB':>8} " + " ".join(f"{h:>7}" for h in hdr) + f" {'merged/this B':>14}")
             for name, r in t["payloads"].items():
@@ -528,7 +525,8 @@ def report(doc: dict) -> dict:
                 print(f"{'':<4} {label:<27} {r['nbytes'] / 2**20:>8.1f} {cells} {ratio:>14}")
         print("digest = trainer-side make_meta (sha256); put = ray.put; arg = publish call minus registry time "
               "(the registry receiving the value); reput = registry's ray.put; bcast = router broadcast until every "
-              "replica acknowledged (contains reg.get, fetch, verify, write); TOTAL = put + publish call")
+              "replica acknowledged (contains reg.get, fetch, load); load = the replica's weight transport without "
+              "the engine (verify, slots, write to tmpfs); TOTAL = put + publish call")
         p = t["payloads"]
         if "adapter_r1" in p:
             v = p["adapter_r1"]["total_s"]["p50"]
@@ -592,8 +590,7 @@ def _plot(doc: dict, path: Path) -> None:
         b.set_ylabel(f"ray.put + publish to {t['replicas']} replicas, s (p50)")
         b.set_title("(b) Qwen2.5-1.5B shape, bf16, transport only")
         b.legend(fontsize=8)
-        stages = ["digest_s", "put_s", "arg_transfer_s", "registry_reput_s", "registry_get_s", "fetch_s", "verify_s",
-                  "write_s"]
+        stages = ["digest_s", "put_s", "arg_transfer_s", "registry_reput_s", "registry_get_s", "fetch_s", "load_s"]
         bottom = [0.0] * len(names)
         for s in stages:
             v = [t["payloads"][n][s]["p50"] for n in names]

@@ -42,7 +42,7 @@ def test_bench_adapter_sync_quick(tmp_path):
         assert {"p50", "p95"} <= set(row[mode]["total_s"])
     payloads = doc["transport"]["payloads"]
     assert {"adapter_r1", "adapter_r8", "merged", "merged_full_extrapolated"} <= set(payloads)
-    for stage in ("put_s", "broadcast_s", "fetch_s", "verify_s", "write_s", "total_s"):
+    for stage in ("put_s", "broadcast_s", "fetch_s", "load_s", "total_s"):
         assert {"p50", "p95"} <= set(payloads["adapter_r1"][stage])
     assert payloads["adapter_r1"]["bytes_ratio_merged_over_adapter"] > 1
 
