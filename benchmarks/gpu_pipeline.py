@@ -352,12 +352,13 @@ def phase_rollout(args, work: Path, model: Path, out: Path) -> dict:
 
 def phase_pipeline(args, work: Path, model: Path, out: Path) -> dict:
     res: dict = {}
-    runs = {}
-    for mode in ("async", "sync"):
+    runs = dict(args.prev_runs)  # a mode run by an earlier invocation (--modes) still counts
+    for mode in args.modes.split(","):
         data = work / "prompts.jsonl"
         _write_prompts(data, model)
+        steps = args.pipeline_steps if mode == "async" else (args.sync_steps or args.pipeline_steps)
         cmd = [sys.executable, __file__, "_run", "--model", str(model), "--mode", mode, "--data", str(data),
-               "--steps", str(args.pipeline_steps), "--out", str(work / f"run-{mode}.json")]
+               "--steps", str(steps), "--out", str(work / f"run-{mode}.json")]
         t0 = time.time()
         proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
         (out / f"gpu_pipeline_{mode}.log").write_text((proc.stdout + proc.stderr)[-200_000:])
@@ -465,6 +466,7 @@ def _plot(doc: dict, path: Path) -> None:
         ax.bar(i, frac or 0, color="tab:green" if frac and frac >= 1 else "tab:red")
         ax.text(i, (frac or 0) + 0.03, "n/m" if v is None else f"{v:.3g}\n({op} {goal})", ha="center", fontsize=8)
     ax.axhline(1.0, color="k", lw=1, ls="--")
+    ax.set_ylim(0, max([1.0] + [b.get_height() for b in ax.patches]) * 1.25)
     ax.set_xticks(range(len(keys)), keys, rotation=15, fontsize=8)
     ax.set_ylabel("measured / goal (>= 1 is met)")
     ax.set_title(f"gpu_pipeline: {doc.get('device', '')}", fontsize=9)
@@ -495,7 +497,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phases", default="trainer,rollout,pipeline")
     p.add_argument("--trainer-steps", type=int, default=5)
-    p.add_argument("--pipeline-steps", type=int, default=12)
+    p.add_argument("--pipeline-steps", type=int, default=20)
+    p.add_argument("--sync-steps", type=int, default=8, help="steps of the sync comparison run")
+    p.add_argument("--modes", default="async,sync", help="pipeline phase: which runs")
     p.add_argument("--shape", default=WORKLOAD["shape"], help="model shape")
     p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny shape, short sequences")
     p.add_argument("--work", default=None, help="where models and runs go (default: a temp dir)")
@@ -519,6 +523,7 @@ def main(argv=None) -> int:
                 "workload": {**WORKLOAD, "shape": args.shape},
                 "command": "python benchmarks/gpu_pipeline.py " + " ".join(argv)})
     model = model_dir(work, args.shape)
+    args.prev_runs = doc.get("runs", {})
     phases = [x for x in args.phases.split(",") if x]
     for ph in phases:
         if ph == "pipeline" and gpus < 2:

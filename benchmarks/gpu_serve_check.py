@@ -46,6 +46,17 @@ def peft_logprobs(model_dir: str, adapter: str | None, prompts: list[list[int]],
     return res
 
 
+# bf16 tolerance for served vs PEFT logprobs of the same weights: the mean as tight as the trainer/vLLM
+# step-1 bound (issue 8: <= 0.02); single tokens may differ more (bf16 keeps ~3 significant digits of
+# logits around 10-20, and the two stacks sum in different orders).
+BF16_TOLERANCE = {"mean": 0.02, "max": 0.25}
+
+
+def bf16_match(rec: dict, model: str) -> bool:
+    return (rec[f"{model}_logprob_abs_diff_mean"] <= BF16_TOLERANCE["mean"]
+            and rec[f"{model}_logprob_abs_diff_max"] <= BF16_TOLERANCE["max"])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -132,8 +143,9 @@ def main(argv=None) -> int:
     rec["device"] = torch.cuda.get_device_name(0)
     ok = (all(v == 200 for v in (c["policy_latest_status"], c["chat_status"], c["stream_status"]))
           and c["stream_done"] and all(400 <= v < 500 for v in bad.values())
-          and rec["policy-v1_logprob_abs_diff_max"] < 0.1 and "policy-v1" in ids)
+          and bf16_match(rec, "policy-v1") and bf16_match(rec, "base") and "policy-v1" in ids)
     rec["ok"] = ok
+    rec["tolerance"] = BF16_TOLERANCE
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_serve.json").write_text(json.dumps(rec, indent=2))

@@ -177,9 +177,6 @@ class RolloutConfig:
     kv_cache_gib: int = _f(1, "VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB: vLLM reads it as an integer).")
     gpu_memory_utilization: float = _f(0.85, "vLLM gpu_memory_utilization on GPU.")
     max_num_seqs: int = _f(64, "vLLM max_num_seqs.")
-    engine_in_process: bool | None = _f(None, "Run vLLM's engine core inside the replica process (null = auto: "
-                                              "yes on CPU, where its own process starts in ~28 s instead of 2-3 s; "
-                                              "no on GPU, where its own process overlaps scheduling with the GPU).")
     enforce_eager: bool = _f(True, "Skip CUDA graphs / torch.compile (fast start); set False on GPU for speed.")
     workers: int = _f(2, "Rollout worker actors that turn prompts into scored groups.")
     groups_per_worker: int = _f(1, "Groups each rollout worker samples concurrently (workers x this = groups in "
@@ -212,6 +209,9 @@ class SyncConfig:
     delta_threshold: float = _f(0.0, "Skip a publish when no adapter tensor moved more than this (max abs).")
     max_staleness: int = _f(2, "Accept samples of versions >= trainer version - max_staleness.")
     max_loras: int | None = _f(None, "Adapter slots per replica; default and minimum max_staleness + 2.")
+    overlap_publish: bool = _f(True, "Async runs: hand the adapter to the registry in the background while the "
+                                     "next step trains (a step costs max(learn, publish), not their sum); "
+                                     "publishes stay in order, one in flight. Sync runs always wait.")
 
 
 @dataclass

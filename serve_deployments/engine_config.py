@@ -16,7 +16,9 @@ WORKER_EXTENSION = "serve_deployments.weight_update.MergedWeightsExtension"
 def engine_env(cfg: Config) -> dict[str, str]:
     """Environment of every replica actor (and so of its engine-core process)."""
     env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if engine_in_process(cfg) else "1",
+        # What every replica ran with since the first measurements (DESIGN.md section 3). AsyncLLM's engine
+        # core runs in a child process whatever it says; GPU runs measured with "1" behaved the same.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         # Models are built from local dirs; never try the hub from inside an actor.
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
@@ -36,17 +38,6 @@ def engine_env(cfg: Config) -> dict[str, str]:
     else:
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # FlashInfer is not in the GPU bundle
     return env
-
-
-def engine_in_process(cfg: Config) -> bool:
-    """rollout.engine_in_process (null: true on CPU, false on GPU), passed on as VLLM_ENABLE_V1_MULTIPROCESSING.
-
-    Only vLLM's synchronous LLMEngine reads that variable. The replica runs AsyncLLM, whose engine core
-    always runs in a process of its own (vllm/v1/engine/async_llm.py: `make_async_mp_client`, whatever the
-    variable says), so for the replica it changes nothing: engine start stays 10-25 s on CPU (README,
-    design notes). An in-process engine would take LLMEngine instead of AsyncLLM."""
-    r = cfg.rollout
-    return r.engine_in_process if r.engine_in_process is not None else r.gpus_per_replica <= 0
 
 
 def engine_lora_slots(cfg: Config) -> int:

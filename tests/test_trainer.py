@@ -173,3 +173,52 @@ def test_publisher_versions_follow_steps_delta_tags_and_every():
     again = pub.maybe_publish(pm, 6)
     assert again["published"] == 1 and again["version"] == 6 and again["served_version"] == 6
     assert again["max_delta"] == pytest.approx(1.5e-2, rel=1e-3)
+
+
+def test_overlapped_publish_keeps_order_and_reports_errors_late():
+    """sync.overlap_publish: rank 0 hands versions to a real AdapterRegistry actor (no replicas
+    attached) on a background thread. Versions arrive in order, tags after the publish they alias,
+    every version is held after flush(), and a registry refusal surfaces at the next publish."""
+    import ray
+
+    from common.names import NAMESPACE
+    from common.registry import AdapterRegistry
+    from train_loops.adapter_sync import AdapterPublisher
+    from train_loops.lora import build_lora_model, peft_config_dict
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        made = AdapterRegistry.options(name="overlap-registry", namespace=NAMESPACE).remote(keep=8)
+        assert ray.get(made.live_versions.remote()) == []  # registered before the publisher looks it up
+        cfg = small_config(tiny_model())
+        pm = build_lora_model(cfg)
+        pub = AdapterPublisher(rank=0, zero_stage=2, mode="adapter", every=1, delta_threshold=0.0,
+                               peft_config=peft_config_dict(pm), registry_name="overlap-registry",
+                               device=torch.device("cpu"), overlap=True)
+        registry = pub.registry
+        lora_b = next(p for n, p in pm.named_parameters() if "lora_B" in n)
+        rows = []
+        for step in range(1, 6):
+            if step != 3:  # step 3 leaves the adapter as it was: a tag of version 2
+                with torch.no_grad():
+                    lora_b[0, 0] += 0.1
+            rows.append(pub.maybe_publish(pm, step))
+        # A row reports the registry call that finished while it waited: the previous version's.
+        assert "publish_to_served_seconds" not in rows[0]
+        assert all(r["publish_to_served_seconds"] >= 0 and r["publish_blocked_seconds"] >= 0 for r in rows[1:])
+        assert [r["published"] for r in rows] == [1, 1, 0, 1, 1] and rows[2]["aliased"] == 1
+        done = pub.flush()
+        assert done["publish_to_served_seconds"] >= 0
+        history = ray.get(registry.history.remote())
+        assert [h["version"] for h in history] == [1, 2, 3, 4, 5]
+        assert history[2].get("alias_of") == 2 or ray.get(registry.get.remote(3))["meta"]["alias_of"] == 2
+        assert ray.get(registry.live_versions.remote()) == [1, 2, 3, 4, 5]
+
+        pub.version = 2  # a version the registry already holds: refused, reported at the next call
+        with torch.no_grad():
+            lora_b[0, 0] += 0.1
+        pub.maybe_publish(pm, 6)  # submitted; the refusal happens in the background
+        with pytest.raises(ValueError, match="already published"):
+            pub.flush()
+    finally:
+        ray.shutdown()

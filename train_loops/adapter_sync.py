@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,7 @@ class AdapterPublisher:
 
     def __init__(self, *, rank: int, zero_stage: int, mode: str, every: int, delta_threshold: float,
                  peft_config: dict, registry_name: str | None, device, start_version: int = 0,
-                 base_model_dir: str | None = None):
+                 base_model_dir: str | None = None, overlap: bool = False):
         self.rank, self.zero_stage, self.mode = rank, zero_stage, mode
         self.every, self.delta_threshold = every, delta_threshold
         self.peft_config, self.device = peft_config, device
@@ -72,6 +73,10 @@ class AdapterPublisher:
         self._last: dict[str, torch.Tensor] | None = None
         self._base = None
         self._base_dir = base_model_dir
+        # overlap: rank 0's registry calls run on one background thread, in order, at most one in flight;
+        # the next publish (or flush) waits for it and re-raises its error.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="publish") if overlap and self.registry else None
+        self._pending: Future | None = None
 
     def resume_version(self, checkpoint_version: int) -> int:
         """Continue at max(checkpoint, registry latest) so versions stay monotonic across restarts;
@@ -108,22 +113,48 @@ class AdapterPublisher:
         tensors = gather_lora_state(peft_model, self.zero_stage)
         delta = _all_reduce_max(max_abs_change(tensors, self._last), self.device)
         if delta <= self.delta_threshold and self.served_version:
-            if self.rank == 0 and self.registry is not None:
-                import ray
-
-                ray.get(self.registry.tag.remote(self.version, self.served_version))
+            row = self._to_registry("tag", self.version, self.served_version)
             self.served_version = self.version
-            return {**out, "aliased": 1, "served_version": self.version, "max_delta": delta,
+            return {**out, **row, "aliased": 1, "served_version": self.version, "max_delta": delta,
                     "publish_seconds": time.perf_counter() - t0}
         self._last = tensors
-        nbytes = tensors_nbytes(tensors)
+        row = {"adapter_bytes": tensors_nbytes(tensors)}
         if self.rank == 0 and self.registry is not None:
-            nbytes = self._publish(tensors)
+            row = self._to_registry("publish", self.version, tensors)
         self.served_version = self.version
-        return {**out, "published": 1, "served_version": self.version, "publish_seconds": time.perf_counter() - t0,
-                "adapter_bytes": nbytes, "max_delta": delta if delta != float("inf") else -1.0}
+        return {**out, **row, "published": 1, "served_version": self.version,
+                "publish_seconds": time.perf_counter() - t0, "max_delta": delta if delta != float("inf") else -1.0}
 
-    def _publish(self, lora: dict[str, torch.Tensor]) -> int:
+    def _to_registry(self, what: str, version: int, arg) -> dict:
+        """Rank 0: publish (tensors) or tag (of_version) `version`. Returns the row's publish keys:
+        `publish_to_served_seconds` (hand-over to every replica serving it) of the call that finished
+        here, and with overlap `publish_blocked_seconds` (the trainer waiting for the previous call)."""
+        if self.rank != 0 or self.registry is None:
+            return {}
+        call = self._publish if what == "publish" else self._tag
+        if self._pool is None:
+            return call(version, arg)
+        row = self.flush()
+        self._pending = self._pool.submit(call, version, arg)
+        return row
+
+    def flush(self) -> dict:
+        """Wait for the background registry call (if any); its error is raised here."""
+        if self._pending is None:
+            return {}
+        t0 = time.perf_counter()
+        fut, self._pending = self._pending, None
+        done = fut.result()
+        return {**done, "publish_blocked_seconds": time.perf_counter() - t0}
+
+    def _tag(self, version: int, of_version: int) -> dict:
+        import ray
+
+        t0 = time.perf_counter()
+        ray.get(self.registry.tag.remote(version, of_version))
+        return {"publish_to_served_seconds": time.perf_counter() - t0}
+
+    def _publish(self, version: int, lora: dict[str, torch.Tensor]) -> dict:
         import ray
 
         if self.mode == "merge":
@@ -136,6 +167,7 @@ class AdapterPublisher:
         else:
             payload = lora
             meta = make_meta(payload, self.peft_config, kind="adapter")
+        t0 = time.perf_counter()
         ref = ray.put(payload)
-        ray.get(self.registry.publish.remote(self.version, ref, meta))
-        return tensors_nbytes(payload)
+        ray.get(self.registry.publish.remote(version, ref, meta))
+        return {"adapter_bytes": tensors_nbytes(payload), "publish_to_served_seconds": time.perf_counter() - t0}

@@ -92,7 +92,8 @@ class GRPOWorker:
         self.publisher = AdapterPublisher(
             rank=self.rank, zero_stage=cfg.train.zero_stage, mode=cfg.sync.mode, every=cfg.sync.every,
             delta_threshold=cfg.sync.delta_threshold, peft_config=self.peft_config,
-            registry_name=loop_cfg.get("registry_name"), device=self.device, base_model_dir=cfg.model.path)
+            registry_name=loop_cfg.get("registry_name"), device=self.device, base_model_dir=cfg.model.path,
+            overlap=cfg.sync.overlap_publish and cfg.run.mode == "async")
         self.token_budget = self._token_budget()
         self.state = {"step": 0, "version": 0, "consumed_groups": 0}
         self._restore()
@@ -116,6 +117,7 @@ class GRPOWorker:
                 if not saved:
                     self.save_checkpoint(step, row)
                 break
+        self.publisher.flush()  # the last version is served before the run reports done
         self._dump_final()
 
     def step(self, step: int) -> dict:
@@ -249,6 +251,8 @@ class GRPOWorker:
                 f.write(json.dumps({"step": step, **merged}) + "\n")
 
     def save_checkpoint(self, step: int, row: dict) -> None:
+        # A checkpoint's version is one the registry holds: a resume republishes from a consistent state.
+        self.publisher.flush()
         from train_loops.adapter_sync import gather_lora_state
 
         lora = gather_lora_state(self.model, self.cfg.train.zero_stage)
