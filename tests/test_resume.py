@@ -23,7 +23,7 @@ from tests._serve_helpers import free_port
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS, PROMPTS, PER_STEP = 12, 16, 4  # an epoch every 4 steps; steps take well under a second
+STEPS, PROMPTS, PER_STEP = 12, 16, 4  # an epoch every 4 steps
 
 
 def _env() -> dict:
@@ -65,7 +65,7 @@ def _wait_for(p: subprocess.Popen, log: Path, cond, what: str, timeout: float = 
             raise AssertionError(f"run ended (rc {p.returncode}) before {what}:\n{log.read_text()[-4000:]}")
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-4000:]}")
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 def _checkpoint_steps(run_dir: Path) -> set[int]:
@@ -80,6 +80,7 @@ def test_sigkill_then_ctrl_c_then_resume_uses_every_prompt_once(tiny_model_dir, 
     sets = [f"model.path={tiny_model_dir}", "model.build_tiny=false", f"run.out_dir={out}", f"run.name={name}",
             f"train.total_steps={STEPS}", "checkpoint.every=2", f"data.builtin_size={PROMPTS}",
             f"grpo.prompts_per_step={PER_STEP}", "grpo.group_size=4", "eval.path=null", "rollout.replicas=1",
+            "grpo.max_new_tokens=32",  # steps of a second or two: the kill and the Ctrl-C land mid-run
             "train.num_workers=1", "rollout.workers=2", f"rollout.http_port={free_port()}", "run.log_every=1",
             "run.stall_timeout_s=300"]
     cli = ["--config", "recipes/tiny-cpu.yaml", *[a for s in sets for a in ("--set", s)]]
