@@ -85,12 +85,51 @@ def data_accounting(rows: list[dict], n_prompts: int, per_step: int, group_size:
 def _alive_actors(cls_part: str) -> list[dict]:
     """This cluster's live actors whose class name contains `cls_part` (the GCS of the connected driver:
     other Ray instances on the machine are not looked at)."""
+    import ray
     from ray._private import state
+    from ray.util.state import list_actors
 
-    return [{"class_name": a.get("ActorClassName") or "", "name": a.get("Name") or "", "pid": a.get("Pid"),
-             "actor_id": a.get("ActorID") or ""}
-            for a in state.actors().values()
-            if a.get("State") == "ALIVE" and cls_part in f"{a.get('ActorClassName') or ''} {a.get('Name') or ''}"]
+    found = [{"class_name": a.get("ActorClassName") or "", "name": a.get("Name") or "", "pid": a.get("Pid"),
+              "actor_id": a.get("ActorID") or ""}
+             for a in state.actors().values()
+             if a.get("State") == "ALIVE" and cls_part in f"{a.get('ActorClassName') or ''} {a.get('Name') or ''}"]
+    if not found:  # the state API of this cluster (its GCS address: other Ray instances run on the machine)
+        def f(a, k):
+            return (a.get(k) if isinstance(a, dict) else getattr(a, k, None)) or ""
+
+        found = [{"class_name": f(a, "class_name"), "name": f(a, "name"), "pid": f(a, "pid") or None,
+                  "actor_id": f(a, "actor_id")}
+                 for a in list_actors(address=ray.get_runtime_context().gcs_address, limit=10000,
+                                      filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+                 if cls_part in f"{f(a, 'class_name')} {f(a, 'name')}"]
+    return found
+
+
+def _my_processes(title_part: str) -> list[int]:
+    """PIDs of this process's descendants (the local Ray cluster it started) whose command line holds
+    `title_part` (Ray titles a Serve replica process `ray::ServeReplica:APP:DEPLOYMENT...`). Other Ray
+    instances on the machine are never looked at."""
+    parent: dict[int, int] = {}
+    cmd: dict[int, str] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+    me = os.getpid()
+
+    def mine(pid: int) -> bool:
+        seen = 0
+        while pid > 1 and seen < 64:
+            if pid == me:
+                return True
+            pid, seen = parent.get(pid, 0), seen + 1
+        return False
+
+    return [pid for pid, c in cmd.items() if title_part in c and pid != me and mine(pid)]
 
 
 def _kill_pid(pid: int) -> None:
@@ -128,9 +167,15 @@ class Injector(threading.Thread):
             busy = sorted(reps, key=lambda r: -int(r.get("ongoing", 0)))
             return {"pid": busy[0]["pid"], "what": f"vLLM replica {busy[0]['replica_id']}"}
         cls = {"router": "Router", "rollout_worker": "RolloutWorker", "train_worker": "RayTrainWorker"}[fault]
+        if fault == "router":  # the ingress deployment's Serve replica process
+            pids = _my_processes(f"ServeReplica:{self.cfg.rollout.app_name}:Router")
+            if not pids:
+                raise LookupError("no router ingress process found")
+            return {"pid": pids[0], "what": f"router ingress (ServeReplica:{self.cfg.rollout.app_name}:Router)"}
         found = [a for a in _alive_actors(cls) if a.get("pid")]
-        if fault == "router":  # the ingress deployment's Serve replica (class ServeReplica:APP:Router, or by name)
-            found = [a for a in found if "replica" in f"{a['class_name']} {a['name']}".lower()]
+        if not found:
+            names = sorted({a["class_name"] for a in _alive_actors("")})
+            raise LookupError(f"no live {cls} actor; live classes: {names}")
         a = sorted(found, key=lambda a: a.get("name") or "")[-1]
         return {"pid": a["pid"], "what": f"{a.get('class_name')} {a.get('name') or a.get('actor_id', '')[:8]}"}
 
