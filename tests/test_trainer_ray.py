@@ -60,7 +60,9 @@ def test_torchtrainer_checkpoints_publishes_restores_and_resumes_from_buffer(ray
     assert got["meta"]["peft_config"]["r"] == 4
     rows = ray.get(metrics.get_rows.remote())
     assert rows[-1]["step"] == 3 and all(r["published"] == 1 for r in rows)
-    assert [r["version"] for r in rows] == list(range(1, v + 1))
+    # one row per step (a step redone after the restore replaces its row); versions only grow
+    versions = [r["version"] for r in rows]
+    assert [r["step"] for r in rows] == [1, 2, 3] and versions == sorted(set(versions)) and versions[-1] == v
 
     # Resume in buffer + merge mode: rank 0 pulls one step's groups, broadcasts; version continues at v + 1.
     g = cfg.grpo
