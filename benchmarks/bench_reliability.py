@@ -166,12 +166,13 @@ class Injector(threading.Thread):
             reps = serve.get_app_handle(self.cfg.rollout.app_name).stats.remote().result(timeout_s=30)["replicas"]
             busy = sorted(reps, key=lambda r: -int(r.get("ongoing", 0)))
             return {"pid": busy[0]["pid"], "what": f"vLLM replica {busy[0]['replica_id']}"}
-        cls = {"router": "Router", "rollout_worker": "RolloutWorker", "train_worker": "RayTrainWorker"}[fault]
-        if fault == "router":  # the ingress deployment's Serve replica process
-            pids = _my_processes(f"ServeReplica:{self.cfg.rollout.app_name}:Router")
+        cls = {"router": "Ingress", "rollout_worker": "RolloutWorker", "train_worker": "RayTrainWorker"}[fault]
+        if fault == "router":  # the ingress deployment's Serve replica process (deployment `Ingress`)
+            title = f"ServeReplica:{self.cfg.rollout.app_name}:Ingress"
+            pids = _my_processes(title)
             if not pids:
-                raise LookupError("no router ingress process found")
-            return {"pid": pids[0], "what": f"router ingress (ServeReplica:{self.cfg.rollout.app_name}:Router)"}
+                raise LookupError(f"no router ingress process found ({title})")
+            return {"pid": pids[0], "what": f"router ingress ({title})"}
         found = [a for a in _alive_actors(cls) if a.get("pid")]
         if not found:
             names = sorted({a["class_name"] for a in _alive_actors("")})
