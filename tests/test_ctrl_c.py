@@ -1,0 +1,48 @@
+"""The driver's Ctrl-C handler with a real RolloutBuffer actor and real SIGINTs sent to this process:
+the first asks the buffer to stop after the current step (the trainer reads it between steps) and
+does not interrupt the driver; the second raises KeyboardInterrupt at once. `python -m app train`
+turns that into exit 130 with teardown (the once-path end to end is tests/test_resume.py)."""
+import os
+import signal
+import time
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _wait_for(pred, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_ctrl_c_once_requests_a_stop_twice_stops_at_once(ray_local):
+    from app.buffer import RolloutBuffer
+    from app.driver import _CtrlC
+
+    ray = ray_local
+    buf = RolloutBuffer.remote(max_staleness=1, groups_per_step=2)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with _CtrlC(buf) as ctrl_c:
+            assert not ray.get(buf.stop_requested.remote())
+            os.kill(os.getpid(), signal.SIGINT)
+            # the first Ctrl-C only tells the buffer; the driver keeps waiting for the checkpoint
+            assert _wait_for(lambda: ray.get(buf.stop_requested.remote()))
+            assert ctrl_c.count == 1
+            os.kill(os.getpid(), signal.SIGINT)
+            _wait_for(lambda: False, timeout=5.0)  # the handler raises in this frame
+            pytest.fail("the second Ctrl-C did not interrupt the driver")
+    assert ctrl_c.count == 2
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is removed on the way out
