@@ -58,7 +58,7 @@ class RolloutBuffer:
         # the buffer hands out no prompts
         self._outstanding: dict[object, list] = {}
         self._epoch: dict = {}  # worker id -> incarnation, bumped by reset_worker
-        self.reset_slots = self.orphan_puts = 0
+        self.reset_slots = self.orphan_puts = self.expired_groups = 0
         self.source = PromptSource(rows, seed, epochs, consumed) if rows is not None else None
         self._filtered: list[str] = []  # prompt keys of filtered groups, for the next batch's record
         self.filtered_total = self.requeued_failed = self.requeued_stale = self.requeued_reset = 0
@@ -101,16 +101,22 @@ class RolloutBuffer:
         return True
 
     async def release(self, worker_id=None, epoch: int | None = None, prompt_id: str | None = None,
-                      requeue: bool = False, filtered: bool = False) -> None:
+                      requeue: bool = False, filtered: bool = False, expired: bool = False) -> None:
         """Give back a slot whose group failed or was never started. With the prompt: `requeue` hands it
         out again (a failed generation); `filtered` (dynamic sampling dropped the group: no signal) has it
-        accounted for in the trainer's record with the next batch, never sampled again this epoch."""
+        accounted for in the trainer's record with the next batch, never sampled again this epoch.
+        `expired`: the group's version expired mid-generation (aborted: it would have been dropped as
+        stale), counted in `expired_groups`."""
         async with self._cond:
             if worker_id is not None and not self._pop_slot(worker_id, epoch, prompt_id):
                 return  # already given back by reset_worker (which requeued its prompt)
             self.granted -= 1
+            self.expired_groups += int(expired)
             if self.source is not None and prompt_id is not None:
-                if requeue:
+                if requeue and expired:
+                    self.source.requeue(epoch, prompt_id)
+                    self.requeued_stale += 1
+                elif requeue:
                     self.source.requeue(epoch, prompt_id)
                     self.requeued_failed += 1
                 elif filtered:
@@ -209,6 +215,7 @@ class RolloutBuffer:
                 "dropped_samples": self.dropped_samples, "trainer_version": self.trainer_version,
                 "outstanding": {str(k): len(v) for k, v in self._outstanding.items() if v},
                 "reset_slots": self.reset_slots, "orphan_puts": self.orphan_puts,
+                "expired_groups": self.expired_groups,
                 **({"prompts": {**self.source.state(), "pending": self._pending(),
                                 "requeued_failed": self.requeued_failed, "requeued_stale": self.requeued_stale,
                                 "requeued_reset": self.requeued_reset, "filtered": self.filtered_total,

@@ -47,6 +47,18 @@ GROUP_RETRY_DEADLINE_S = 300.0
 WORKER_MAX_RESTARTS = 3
 
 
+def _expired(e: BaseException) -> bool:
+    """The group's version expired while it was generated (serve_deployments.replica.VersionExpiredError):
+    its samples would be dropped as stale, so the group is given up, not retried under that version."""
+    from serve_deployments.replica import VersionExpiredError
+
+    while e is not None:
+        if isinstance(e, VersionExpiredError) or "VersionExpiredError" in type(e).__name__:
+            return True
+        e = getattr(e, "cause", None) or e.__cause__
+    return False
+
+
 def _lost(e: BaseException) -> bool:
     """A lost replica / ingress (actor death, unavailable replica), as opposed to an error raised on purpose."""
     from serve_deployments.ingress import _replica_lost
@@ -139,7 +151,8 @@ class RolloutWorker:
         deadline = time.monotonic() + GROUP_RETRY_DEADLINE_S
         for attempt in range(GROUP_RETRY_ATTEMPTS):
             try:
-                return await self._router_handle().generate_group.remote(prompt_ids, n, None, sampling)
+                return await self._router_handle().generate_group.remote(prompt_ids, n, None, sampling,
+                                                                         drop_if_expired=True)
             except Exception as e:
                 left = deadline - time.monotonic()
                 if not _lost(e) or attempt == GROUP_RETRY_ATTEMPTS - 1 or left <= 0:
@@ -237,6 +250,16 @@ class RolloutWorker:
                 group = await self.rollout_one(row)
                 group.epoch = epoch
             except Exception as e:
+                if _expired(e):
+                    # Too stale to train on before it finished: the slot makes a fresh group under the
+                    # newest version right away, and the prompt is handed out again.
+                    if pkw is not None:
+                        await self.buffer.release.remote(**pkw, requeue=True, expired=True)
+                    else:
+                        self._retry_rows.append(row)
+                        await self.buffer.release.remote(**kw, expired=True)
+                    self._count("rollout_expired_groups", 1)
+                    continue
                 if pkw is not None:  # the buffer hands the prompt out again (to any worker)
                     await self.buffer.release.remote(**pkw, requeue=_lost(e))
                 else:

@@ -265,7 +265,11 @@ def bare_vllm(model: str, adapter_dir: str, out: str) -> None:
     kw.pop("worker_extension_cls", None)
     w = WORKLOAD
     s = _sampling()
-    params = SamplingParams(max_tokens=s["max_tokens"], temperature=1.0, logprobs=0, ignore_eos=True)
+    from vllm.sampling_params import RequestOutputKind
+
+    # What the replica asks of the engine for a rollout (final output only, text decoded once at the end).
+    params = SamplingParams(max_tokens=s["max_tokens"], temperature=1.0, logprobs=0, ignore_eos=True,
+                            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 
     async def go():
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
@@ -278,7 +282,9 @@ def bare_vllm(model: str, adapter_dir: str, out: str) -> None:
             async for o in engine.generate({"prompt_token_ids": prompts[pid]}, params, f"{tag}-{pid}-{k}",
                                            lora_request=lora):
                 final = o
-            return len(final.outputs[0].token_ids)
+            c = final.outputs[0]
+            engine.tokenizer.decode(list(c.token_ids), skip_special_tokens=True)
+            return len(c.token_ids)
 
         rates = []
         for rep in range(3):

@@ -165,6 +165,9 @@ class TrainConfig:
     seed: int = _f(0, "Seed of LoRA init, sampling and shuffles.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward (GPU, long sequences).")
     logprob_chunk: int = _f(4096, "Tokens per chunk when computing token logprobs (bounds the log-softmax memory).")
+    fused_lora: bool = _f(True, "LoRA linears add their update inside the base layer's GEMM, scaling the rank-r "
+                                "activation (train_loops/lora_linear.py): same math, less memory traffic; false = "
+                                "PEFT's own layer.")
 
 
 @dataclass

@@ -48,6 +48,9 @@ class AdapterRegistry:
         self._router_args: tuple | None = None
         self.load_retries = 0
         self._keep = keep  # live versions: max_staleness + 1 (replicas hold one more slot for the swap)
+        self._expiring: set[asyncio.Future] = set()  # expire calls in flight (kept from the GC)
+        self.expired_aborts = self.expire_errors = 0
+        self._last_expire_error: str | None = None
 
     async def attach_router(self, app_name: str | None, deployment_name: str | None = None) -> None:
         """Attach the router ingress (`serve.get_app_handle(app_name)`), or detach with None."""
@@ -88,7 +91,9 @@ class AdapterRegistry:
                     await self.attach_router(*self._router_args)  # a fresh handle (the ingress may be new)
             load_s = time.perf_counter() - t1
         self._live.append(version)
-        self._trim()
+        expired = self._trim()
+        if expired and self._router is not None:
+            self._expiring.add(asyncio.ensure_future(self._expire(expired)))
         rec = {"version": version, "nbytes": meta.get("nbytes", 0), "kind": meta.get("kind", "adapter"),
                "load_retries": attempt if self._router is not None else 0,
                "seconds": time.perf_counter() - t0, "replica_load_seconds": load_s, "time": time.time()}
@@ -137,9 +142,38 @@ class AdapterRegistry:
         self._refs.pop(version, None)
         self._meta.pop(version, None)
 
-    def _trim(self) -> None:
+    def _trim(self) -> list[int]:
+        """Drop the versions beyond `keep`; returns them. With keep = max_staleness + 1, a trimmed version
+        is older than max_staleness for a trainer that published its newer ones, so its samples can only
+        be dropped as stale."""
+        out = []
         while len(self._live) > self._keep:
-            self._forget(self._live.pop(0))
+            out.append(self._live.pop(0))
+            self._forget(out[-1])
+        return out
+
+    async def _expire(self, versions: list[int]) -> None:
+        """Tell the replicas (through the ingress) to abort the rollout requests of expired versions, so
+        the adapter slots they hold free up now rather than when 1,000-token completions end. Off the
+        publish path; best effort (missed, they finish and are dropped as stale)."""
+        try:
+            out = await self._router.expire.remote(versions)
+            self.expired_aborts += int(out.get("aborted", 0))
+        except Exception as e:  # the ingress is being replaced: nothing is lost but the early abort
+            self.expire_errors += 1
+            self._last_expire_error = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            self._expiring.discard(asyncio.current_task())
+
+    async def set_keep(self, keep: int) -> None:
+        """How many versions stay live (max_staleness + 1); takes effect at the next publish."""
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self._keep = keep
+
+    async def expire_stats(self) -> dict:
+        return {"expired_aborts": self.expired_aborts, "expire_errors": self.expire_errors,
+                "last_error": self._last_expire_error}
 
 
 def get_or_create_registry(keep: int = 3):

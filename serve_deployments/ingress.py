@@ -390,11 +390,12 @@ class Ingress:
     # ------------------------------------------------------------------ driver API (handle methods)
 
     async def generate_group(self, prompt_token_ids: list[int], n: int, version: int | None = None,
-                             sampling: dict | None = None) -> list[dict]:
+                             sampling: dict | None = None, drop_if_expired: bool = False) -> list[dict]:
         """n samples of one prompt as n routed requests (so they share one replica's prefix cache);
         version None = the newest live version (base model when none is live). Each result names its
         version and the sha256 of the adapter that produced it. Counted against the in-flight limit,
-        never refused by it (rollout workers pace themselves through the buffer)."""
+        never refused by it (rollout workers pace themselves through the buffer). `drop_if_expired`
+        (rollouts): the group fails with VersionExpiredError as soon as its version expires (`expire`)."""
         if n < 1:
             raise ValueError(f"generate_group: n must be >= 1, got {n}")
         ids = [int(t) for t in prompt_token_ids]
@@ -406,7 +407,8 @@ class Ingress:
         except ModelNameError as e:
             raise ValueError(e.message) from None
         key = await self._key(ids, v)
-        req = {"prompt_token_ids": ids, "version": v, "sampling": dict(sampling or {})}
+        req = {"prompt_token_ids": ids, "version": v, "sampling": dict(sampling or {}),
+               "drop_if_expired": bool(drop_if_expired)}
         self._inflight += n
         try:
             return list(await asyncio.gather(*[self._generate_retrying(req, key) for _ in range(n)]))
@@ -476,6 +478,15 @@ class Ingress:
             # New base weights: old base-model blocks are stale on every replica, so new hashes.
             self._merged_version = version
             return {"version": version, "replicas": len(ok), "results": ok}
+
+    async def expire(self, versions: list[int]) -> dict:
+        """The registry trimmed these versions: every replica aborts their in-flight rollout requests
+        (their samples could only be dropped as stale) so the adapter slots they hold free up at once.
+        Best effort: a replica that misses it just lets them finish."""
+        ok, errors = await self._broadcast("expire", list(versions))
+        if errors:
+            logger.warning("expire %s: %d replicas failed: %s", versions, len(errors), _short(errors[0]))
+        return {"versions": list(versions), "aborted": sum(ok), "replicas": len(ok)}
 
     async def pause(self) -> dict:
         ok, errors = await self._broadcast("pause")

@@ -39,6 +39,28 @@ from serve_deployments.weight_transport import AdapterTransport, MergedTransport
 
 log = logging.getLogger("ray.serve")
 
+class _RunCancelled(Exception):
+    """The engine run of a rollout request was cancelled by `expire` (not by the caller)."""
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # consumed: a run abandoned by its caller logs no "never retrieved" error
+
+
+class VersionExpiredError(ReplicaError):
+    """A rollout request's version expired (the registry trimmed it: older than every live version, so
+    older than max_staleness allows): its samples could only be dropped, so it is not generated."""
+
+    def __init__(self, version: int | str, status_code: int = 410):
+        if isinstance(version, str):  # unpickled: the message itself
+            super().__init__(version, status_code)
+            return
+        super().__init__(f"{policy_name(version)} expired (older than every live version): its rollout "
+                         "samples would be dropped as too stale, so the request was not (or no longer) "
+                         "generated", status_code)
+
+
 # SamplingParams fields generate() passes through besides max_tokens/temperature/top_p/seed/logprobs.
 _SAMPLING_EXTRA = ("top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
                    "presence_penalty", "frequency_penalty")
@@ -116,6 +138,9 @@ class RolloutReplica:
         self._open = asyncio.Event()  # cleared while merged weights are swapped in
         self._open.set()
         self._draining: set[int] = set()  # versions being unloaded: refuse new requests
+        self._expired: set[int] = set()  # versions the registry trimmed: rollout requests refused/aborted
+        self._droppable: dict[int, set] = {}  # version -> running rollout requests (drop_if_expired)
+        self.aborted_expired = 0
         self.rejected: dict[int, str] = {}  # live versions whose payload failed verification at start
         self._init_openai()
         # The weight transports (sync.mode adapter / merge); the adapters' LoRA requests live in vLLM's
@@ -258,31 +283,84 @@ class RolloutReplica:
                                "crashes on seeded batches); omit it", 400)
 
     async def generate(self, req: dict) -> dict:
-        """Token ids in, sampled token ids + per-token behaviour logprobs out (rollout path)."""
+        """Token ids in, sampled token ids + per-token behaviour logprobs out (rollout path).
+
+        The engine hands back only the final output (FINAL_ONLY) and, without stop strings, does not
+        detokenize per token: at a few hundred sequences in flight the per-token output objects and
+        incremental detokenization in this process cost more than a decode step on a GPU, and everything
+        else on this event loop (adapter loads) waits behind them. The text is decoded once at the end.
+
+        `req["drop_if_expired"]` (the rollout workers set it): when the version expires while this
+        request runs (`expire`), the request is aborted in the engine and VersionExpiredError raised; its
+        samples could only be dropped as too stale to train on."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         version = int(req.get("version", 0))
         s = dict(req.get("sampling") or {})
         self._check_seed(s.get("seed"))
         extra = {k: s[k] for k in _SAMPLING_EXTRA if k in s}
+        detokenize = bool(extra.get("stop"))  # stop strings are matched on the text as it is generated
         params = SamplingParams(max_tokens=int(s.get("max_tokens", 16)), temperature=float(s.get("temperature", 1.0)),
                                 top_p=float(s.get("top_p", 1.0)), seed=s.get("seed"),
-                                logprobs=0 if s.get("logprobs", True) else None, **extra)
+                                logprobs=0 if s.get("logprobs", True) else None, detokenize=detokenize,
+                                output_kind=RequestOutputKind.FINAL_ONLY, **extra)
         prompt_ids = list(req["prompt_token_ids"])
         # Callers may reuse an id (retries, G samples of one prompt); vLLM requires unique ones.
         request_id = f"{req.get('request_id') or 'gen'}-{uuid.uuid4().hex[:12]}"
+        droppable = bool(req.get("drop_if_expired"))
+        if droppable and version in self._expired:
+            raise VersionExpiredError(version)
         async with self._hold(version) as lora:
-            final = None
-            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id,
-                                                  lora_request=lora):
-                final = out
+            run = asyncio.ensure_future(self._final_output(prompt_ids, params, request_id, lora))
+            if droppable:
+                self._droppable.setdefault(version, set()).add(run)
+            try:
+                final = await asyncio.shield(run)
+            except (asyncio.CancelledError, _RunCancelled):
+                if asyncio.current_task().cancelling():
+                    # The caller went away: vLLM aborts the request when its generator is cancelled.
+                    run.cancel()
+                    run.add_done_callback(_retrieve)
+                    raise
+                raise VersionExpiredError(version) from None  # expire() cancelled the run
+            finally:
+                if droppable:
+                    self._droppable.get(version, set()).discard(run)
         if final is None or not final.outputs:
             raise ReplicaError(f"request {request_id} produced no output (aborted)", 503)
         c = final.outputs[0]
         logprobs = [float(lp[t].logprob) for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else []
-        return {"token_ids": list(c.token_ids), "logprobs": logprobs, "text": c.text,
+        text = c.text if detokenize else self._decode(c.token_ids)
+        return {"token_ids": list(c.token_ids), "logprobs": logprobs, "text": text,
                 "finish_reason": c.finish_reason, "version": version, "prompt_token_ids": prompt_ids,
                 "replica_id": self.replica_id, "sha256": self._served_sha(version)}
+
+    async def _final_output(self, prompt_ids, params, request_id, lora):
+        final = None
+        try:
+            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id,
+                                                  lora_request=lora):
+                final = out
+        except asyncio.CancelledError:
+            raise _RunCancelled() from None  # expire() cancelled it (the engine generator aborted the request)
+        return final
+
+    def _decode(self, token_ids) -> str:
+        # What vLLM's detokenizer gives with its defaults (special tokens skipped).
+        return self.engine.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    async def expire(self, versions: list[int]) -> int:
+        """The registry trimmed these versions (older than every live one): their rollout requests
+        (`drop_if_expired`) are aborted and new ones refused; REST and eval requests finish as usual.
+        Returns the number of requests aborted."""
+        n = 0
+        for v in map(int, versions):
+            self._expired.add(v)
+            for run in list(self._droppable.pop(v, ())):
+                n += int(run.cancel())
+        self.aborted_expired += n
+        return n
 
     def _served_sha(self, version: int) -> str | None:
         """sha256 of the payload behind `version` on this replica (None for the original base model)."""
@@ -415,7 +493,7 @@ class RolloutReplica:
                 "prefix_cache_queries": self._prefix.queries, "block_size": self.block_size,
                 "base_version": self._base_version, "engine_start_s": self.engine_start_s,
                 "add_lora_ms": list(self._adapters.add_lora_ms[-16:]), "rejected": dict(self.rejected),
-                "pid": os.getpid()}
+                "expired": sorted(self._expired), "aborted_expired": self.aborted_expired, "pid": os.getpid()}
 
     async def engine_info(self) -> dict:
         return {"block_size": self.block_size, "max_model_len": self.max_model_len, "model": self._model,

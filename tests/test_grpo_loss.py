@@ -141,6 +141,35 @@ def test_chunked_logprobs_equal_full_softmax_values_and_grads():
     assert torch.allclose(h1.grad, h2.grad, atol=1e-6)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_frozen_head_fused_path_equals_full_softmax_values_and_grads(temperature):
+    """A frozen head (the trainer's case) goes through train_loops/head_logprobs.py: values, entropy and the
+    hidden-state gradient under an arbitrary upstream gradient equal a full float64 log-softmax."""
+    from train_loops import head_logprobs as hl
+
+    torch.manual_seed(1)
+    head = torch.nn.Linear(16, 97, bias=False).requires_grad_(False)
+    h1 = torch.randn(23, 16, requires_grad=True)
+    h2 = h1.detach().double().requires_grad_(True)
+    y = torch.randint(0, 97, (23,))
+    calls = []
+    real = hl.HeadLogprobs.apply
+    hl.HeadLogprobs.apply = lambda *a: calls.append(1) or real(*a)  # to see that the fused path ran
+    try:
+        lp, ent = chunked_token_logprobs(h1, y, head, chunk=5, temperature=temperature)
+    finally:
+        hl.HeadLogprobs.apply = real
+    assert calls and not ent.requires_grad
+    full = torch.log_softmax(h2 @ head.weight.double().t() / temperature, -1)
+    ref = full.gather(-1, y[:, None]).squeeze(-1)
+    assert torch.allclose(lp.double(), ref, atol=1e-5)
+    assert torch.allclose(ent.double(), -(full.exp() * full).sum(-1).detach(), atol=1e-5)
+    g = torch.randn(23)
+    (lp * g).sum().backward()
+    (ref * g.double()).sum().backward()
+    assert torch.allclose(h1.grad.double(), h2.grad, atol=1e-5)
+
+
 def test_sequence_logprobs_pick_the_completion_tokens(tmp_path):
     from _train_helpers import tiny_model
     from transformers import AutoModelForCausalLM

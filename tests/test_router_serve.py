@@ -167,3 +167,43 @@ def test_publish_all_or_nothing(serve_env, svc, url, versions):
         assert good not in svc.live_versions.remote().result()
         assert c.post(f"/admin/adapters/policy-v{good}", headers=auth).json()["live"] is True
         assert c.get("/health").status_code == 200
+
+
+def test_expired_version_aborts_its_rollouts_only(serve_env, svc, versions):
+    """The registry trims a version beyond `keep` (max_staleness + 1): every replica aborts that version's
+    in-flight rollout requests (drop_if_expired; their samples could only be dropped as stale), so its
+    adapter slot frees at once; an eval / REST request on the same version runs to its end."""
+    import time
+
+    import ray
+
+    reg = serve_env.registry
+    v1, v2, v3 = versions.take(3)
+    publish(reg, v1, *make_lora_payload(serve_env.model_dir, seed=v1))
+    pids = prompt_ids(serve_env.model_dir, "expire me")
+    long = {"max_tokens": 400, "temperature": 1.0, "ignore_eos": True}
+    rollout = svc.generate_group.remote(pids, 2, v1, long, drop_if_expired=True)
+    other = svc.generate_group.remote(pids, 1, v1, long)
+    deadline = time.monotonic() + 60
+    while sum(r["inflight_by_version"].get(v1, 0) for r in svc.stats.remote().result()["replicas"]) < 3:
+        assert time.monotonic() < deadline, "the three requests never ran"
+        time.sleep(0.1)
+    before = ray.get(reg.expire_stats.remote())["expired_aborts"]
+    ray.get(reg.set_keep.remote(2))
+    try:
+        publish(reg, v2, *make_lora_payload(serve_env.model_dir, seed=v2))
+        publish(reg, v3, *make_lora_payload(serve_env.model_dir, seed=v3))  # trims v1: it expires
+        assert ray.get(reg.live_versions.remote())[-2:] == [v2, v3]
+        with pytest.raises(Exception, match="VersionExpiredError|expired"):
+            rollout.result(timeout_s=120)
+        (kept,) = other.result(timeout_s=300)
+        assert kept["version"] == v1 and len(kept["token_ids"]) == 400 and kept["finish_reason"] == "length"
+        deadline = time.monotonic() + 30
+        while ray.get(reg.expire_stats.remote())["expired_aborts"] - before < 2:
+            assert time.monotonic() < deadline, ray.get(reg.expire_stats.remote())
+            time.sleep(0.1)
+        st = svc.stats.remote().result()["replicas"]
+        assert sum(r["aborted_expired"] for r in st) >= 2 and all(v1 in r["expired"] for r in st)
+        assert all(r["inflight_by_version"].get(v1, 0) == 0 for r in st)  # the slot is free
+    finally:
+        ray.get(reg.set_keep.remote(100))

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from common.config import GRPOConfig, LossAgg
+from train_loops.head_logprobs import head_logprobs
 from train_loops.losses import agg_loss, get_policy_loss
 
 __all__ = ["aggregate", "group_advantages", "grpo_loss", "chunked_token_logprobs",
@@ -77,8 +78,14 @@ def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head:
                            chunk: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [N, H], targets [N] -> (logp [N] with grad, entropy [N] detached).
 
-    Each chunk of `chunk` tokens runs under activation checkpointing: the backward recomputes that
-    chunk's logits instead of keeping them, so peak memory is one chunk x vocab in float32."""
+    Peak memory is one chunk x vocab in float32: a frozen, unpartitioned, bias-free head goes through
+    train_loops/head_logprobs.py (logits made again in the backward and turned into the gradient in
+    place); any other head runs each chunk under activation checkpointing."""
+    weight = getattr(lm_head, "weight", None)
+    if (torch.is_grad_enabled() and hidden.requires_grad and weight is not None and not weight.requires_grad
+            and getattr(lm_head, "bias", None) is None and getattr(weight, "ds_id", None) is None
+            and hidden.shape[0]):
+        return head_logprobs(hidden, targets, weight, chunk, temperature)
     logps, ents = [], []
     for i in range(0, hidden.shape[0], chunk):
         h, y = hidden[i:i + chunk], targets[i:i + chunk]

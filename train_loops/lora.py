@@ -42,6 +42,10 @@ def apply_lora(model, cfg: Config):
     peft_cfg = LoraConfig(r=lo.rank, lora_alpha=lo.alpha, lora_dropout=lo.dropout,
                           target_modules=lo.target_modules, use_dora=lo.use_dora,
                           modules_to_save=list(lo.modules_to_save) or None, task_type="CAUSAL_LM", bias="none")
+    if cfg.train.fused_lora:
+        from train_loops.lora_linear import register
+
+        register(peft_cfg)
     torch.manual_seed(cfg.train.seed)
     pm = get_peft_model(model, peft_cfg)
     for name, p in pm.named_parameters():
