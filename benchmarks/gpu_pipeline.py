@@ -91,47 +91,83 @@ def model_flops_per_step(model: Path, seqs: int, seq_len: int, completion_len: i
 
 # ---------------------------------------------------------------------------------------------- trainer
 
-def phase_trainer(args, work: Path, model: Path, out: Path) -> dict:
+def _set_nested(d: dict, dotted: str, value: str) -> None:
+    *path, key = dotted.split(".")
+    for k in path:
+        d = d.setdefault(k, {})
+    d[key] = yaml_value(value)
+
+
+def yaml_value(v: str):
+    import yaml
+
+    return yaml.safe_load(v)
+
+
+def _run_trainer(args, work: Path, model: Path, sets: list[str], profile: bool) -> tuple[dict, Path]:
+    """One torchrun of train_loops.worker on the synthetic workload; returns its numbers."""
     import torch
 
     w = WORKLOAD
     gpu = torch.cuda.is_available()
-    seqs = w["prompts_per_step"] * w["group_size"]
-    seq_len = w["prompt_tokens"] + w["new_tokens"]
-    dump = work / "trainer"
-    loop_cfg = {
-        "config": {
-            "model": {"path": str(model), "build_tiny": False, "dtype": w["dtype"] if gpu else "float32",
-                      "max_model_len": 2048},
-            "lora": {"rank": w["lora_rank"], "alpha": 2.0 * w["lora_rank"], "target_modules": w["target_modules"]},
-            "grpo": {"group_size": w["group_size"], "prompts_per_step": w["prompts_per_step"],
-                     "max_new_tokens": w["new_tokens"], "lr": 1e-4},
-            "train": {"num_workers": 1, "use_gpu": gpu, "zero_stage": 2, "total_steps": args.trainer_steps},
-            "rollout": {"max_lora_rank": w["lora_rank"]},
-            "checkpoint": {"every": 0},
-        },
-        "batch_source": "synthetic", "runner": "torchrun", "checkpoint_dir": str(work / "ck"),
-        "dump_dir": str(dump), "profile_step": args.trainer_steps - 1,
-        "synthetic": {"prompt_len": w["prompt_tokens"], "completion_len": w["new_tokens"]},
+    dump = work / "dump"
+    config = {
+        "model": {"path": str(model), "build_tiny": False, "dtype": w["dtype"] if gpu else "float32",
+                  "max_model_len": 2048},
+        "lora": {"rank": w["lora_rank"], "alpha": 2.0 * w["lora_rank"], "target_modules": w["target_modules"]},
+        "grpo": {"group_size": w["group_size"], "prompts_per_step": w["prompts_per_step"],
+                 "max_new_tokens": w["new_tokens"], "lr": 1e-4},
+        "train": {"num_workers": 1, "use_gpu": gpu, "zero_stage": 2, "total_steps": args.trainer_steps},
+        "rollout": {"max_lora_rank": w["lora_rank"]},
+        "checkpoint": {"every": 0},
     }
+    for kv in sets:
+        k, v = kv.split("=", 1)
+        _set_nested(config, k, v)
+    loop_cfg = {"config": config, "batch_source": "synthetic", "runner": "torchrun",
+                "checkpoint_dir": str(work / "ck"), "dump_dir": str(dump),
+                "profile_step": args.trainer_steps - 1 if profile else None,
+                "synthetic": {"prompt_len": w["prompt_tokens"], "completion_len": w["new_tokens"]}}
+    work.mkdir(parents=True, exist_ok=True)
     (work / "loop.json").write_text(json.dumps(loop_cfg))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_port()}",
            "-m", "train_loops.worker", str(work / "loop.json")]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
-    res: dict = {"trainer_wall_s": time.time() - t0}
+    res: dict = {"trainer_wall_s": time.time() - t0, "trainer_sets": sets}
+    (work / "trainer.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        (out / "gpu_pipeline_trainer.log").write_text(proc.stdout + proc.stderr)
         res["trainer_error"] = proc.stderr[-2000:]
-    else:
-        rows = [json.loads(x) for x in (dump / "steps.jsonl").read_text().splitlines()]
-        steady = [r for r in rows[1:] if r["step"] != loop_cfg["profile_step"]] or rows
-        res.update({"trainer_tokens_per_s": _p50([r["train_tokens_per_s"] for r in steady]),
-                    "trainer_learn_s_p50": _p50([r["learn_seconds"] for r in steady]),
-                    "trainer_micro_batches": rows[-1].get("micro_batches"),
-                    "trainer_peak_mem_gib": max(r.get("peak_mem_gib", 0.0) for r in rows)})
-        if (dump / "profile.txt").exists():
-            (out / "gpu_pipeline_profile.txt").write_text((dump / "profile.txt").read_text())
+        return res, dump
+    rows = [json.loads(x) for x in (dump / "steps.jsonl").read_text().splitlines()]
+    steady = [r for r in rows[1:] if r["step"] != loop_cfg["profile_step"]] or rows
+    res.update({"trainer_tokens_per_s": _p50([r["train_tokens_per_s"] for r in steady]),
+                "trainer_learn_s_p50": _p50([r["learn_seconds"] for r in steady]),
+                "trainer_micro_batches": rows[-1].get("micro_batches"),
+                "trainer_peak_mem_gib": max(r.get("peak_mem_gib", 0.0) for r in rows)})
+    if (dump / "trainer_info.json").exists():
+        res["trainer_info"] = json.loads((dump / "trainer_info.json").read_text())
+    return res, dump
+
+
+def phase_trainer(args, work: Path, model: Path, out: Path) -> dict:
+    w = WORKLOAD
+    seqs = w["prompts_per_step"] * w["group_size"]
+    seq_len = w["prompt_tokens"] + w["new_tokens"]
+    res, dump = _run_trainer(args, work / "trainer", model, list(args.trainer_set), profile=True)
+    if res.get("trainer_error"):
+        (out / "gpu_pipeline_trainer.log").write_text((work / "trainer" / "trainer.log").read_text())
+    if (dump / "profile.txt").exists():
+        (out / "gpu_pipeline_profile.txt").write_text((dump / "profile.txt").read_text())
+    # Ablations: the same trainer with one setting changed each, tokens/s in the same session.
+    ablation = {}
+    for i, variant in enumerate(x for x in args.trainer_ablation.split(";") if x):
+        r, _ = _run_trainer(args, work / f"ablation-{i}", model, list(args.trainer_set) + variant.split(","),
+                            profile=False)
+        ablation[variant] = {k: r.get(k) for k in ("trainer_tokens_per_s", "trainer_learn_s_p50",
+                                                   "trainer_peak_mem_gib", "trainer_info", "trainer_error")}
+    if ablation:
+        res["trainer_ablation"] = ablation
     cmd = [sys.executable, __file__, "_peft", "--model", str(model), "--steps", str(args.trainer_steps),
            "--out", str(work / "peft.json")]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
@@ -377,7 +413,7 @@ def phase_pipeline(args, work: Path, model: Path, out: Path) -> dict:
     a, s = runs.get("async", {}), runs.get("sync", {})
     if a.get("step_seconds_p50"):
         res["step_seconds_p50"] = a["step_seconds_p50"]
-        res["publish_to_served_p50_s"] = a.get("publish_seconds_p50")
+        res["publish_to_served_p50_s"] = a.get("publish_to_served_p50") or a.get("publish_seconds_p50")
     if a.get("step_seconds_p50") and s.get("step_seconds_p50"):
         res["async_vs_sync"] = s["step_seconds_p50"] / a["step_seconds_p50"]
     return res
@@ -506,6 +542,9 @@ def main(argv=None) -> int:
     p.add_argument("--pipeline-steps", type=int, default=20)
     p.add_argument("--sync-steps", type=int, default=8, help="steps of the sync comparison run")
     p.add_argument("--modes", default="async,sync", help="pipeline phase: which runs")
+    p.add_argument("--trainer-set", action="append", default=[], help="trainer phase: config KEY=VALUE")
+    p.add_argument("--trainer-ablation", default="",
+                   help="trainer phase: extra runs, ';'-separated, each a ','-separated KEY=VALUE list")
     p.add_argument("--shape", default=WORKLOAD["shape"], help="model shape")
     p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny shape, short sequences")
     p.add_argument("--work", default=None, help="where models and runs go (default: a temp dir)")

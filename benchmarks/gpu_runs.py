@@ -66,6 +66,12 @@ def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command
         "micro_batches": _p50([r.get("micro_batches") for r in rows]),
         "peak_mem_gib": max((r.get("peak_mem_gib", 0.0) for r in rows), default=None),
         "publish_seconds_p50": _p50([r.get("publish_seconds") for r in rows]),
+        # Hand-over to every replica serving the version (with sync.overlap_publish it runs beside the
+        # next step, and `publish_seconds` is only the trainer's own part).
+        "publish_to_served_p50": _p50([r.get("publish_to_served_seconds") for r in steady]),
+        "publish_blocked_p50": _p50([r.get("publish_blocked_seconds") for r in steady]),
+        "expired_groups": rows[-1].get("rollout_expired_groups") if rows else None,
+        "dropped_samples": rows[-1].get("dropped_samples") if rows else None,
         "published": sum(r.get("published", 0) for r in rows), "aliased": sum(r.get("aliased", 0) for r in rows),
         "final_version": rows[-1].get("version") if rows else None,
         "trainer_idle_fraction": summary.get("trainer_idle_fraction"),

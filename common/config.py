@@ -165,6 +165,9 @@ class TrainConfig:
     seed: int = _f(0, "Seed of LoRA init, sampling and shuffles.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward (GPU, long sequences).")
     logprob_chunk: int = _f(4096, "Tokens per chunk when computing token logprobs (bounds the log-softmax memory).")
+    liger_kernels: Literal["auto", "on", "off"] = _f(
+        "auto", "Liger's fused RMSNorm / RoPE / SwiGLU kernels in the trainer (GPU; train_loops/fused_kernels.py): "
+                "auto = when liger_kernel is installed and training runs on GPU.")
     fused_lora: bool = _f(True, "LoRA linears add their update inside the base layer's GEMM, scaling the rank-r "
                                 "activation (train_loops/lora_linear.py): same math, less memory traffic; false = "
                                 "PEFT's own layer.")
@@ -493,6 +496,8 @@ def validate(cfg: Config) -> None:
          "rollout.gpus_per_replica: set but train.use_gpu is false; GPU runs set both (a GPU engine with a CPU "
          "trainer would compute the behaviour and trainer logprobs on different hardware and dtypes)")
     need(r.gpus_per_replica >= 0, "rollout.gpus_per_replica: must be >= 0")
+    need(t.liger_kernels != "on" or t.use_gpu,
+         "train.liger_kernels: on needs train.use_gpu (Liger's kernels are Triton, GPU only); use auto or off")
     need(t.max_grad_norm >= 0, "train.max_grad_norm: must be >= 0")
     need(t.total_steps >= 1, "train.total_steps: must be >= 1")
     need(t.logprob_chunk >= 1, "train.logprob_chunk: must be >= 1")

@@ -95,6 +95,14 @@ class GRPOWorker:
             registry_name=loop_cfg.get("registry_name"), device=self.device, base_model_dir=cfg.model.path,
             overlap=cfg.sync.overlap_publish and cfg.run.mode == "async")
         self.token_budget = self._token_budget()
+        self.info = {"liger_kernels": getattr(self.model, "liger_kernels", "off"), "fused_lora": cfg.train.fused_lora,
+                     "max_tokens_per_micro_batch": self.token_budget, "device": str(self.device)}
+        if self.rank == 0:
+            print("trainer: " + ", ".join(f"{k} {v}" for k, v in self.info.items()), flush=True)
+            if loop_cfg.get("dump_dir"):
+                d = Path(loop_cfg["dump_dir"])
+                d.mkdir(parents=True, exist_ok=True)
+                (d / "trainer_info.json").write_text(json.dumps(self.info))
         self.state = {"step": 0, "version": 0, "consumed_groups": 0}
         self._restore()
         self.consumed = ConsumedPrompts.from_state(self.state.get("data"))
