@@ -2,9 +2,15 @@
 generation.
 
 Workers `acquire()` a slot before sampling a group and `put()` it when scored. Slot k belongs to batch
-b = k // groups_per_step, and is granted only while b <= trainer_version + lead, where lead is
+b = k // groups_per_step, and is granted only while b <= ready_version + lead, where lead is
 `max_staleness` in async mode and 0 in sync mode (generate batch b only after version b is live).
 So rollouts never run more than `max_staleness` versions ahead, and sync and async are one mechanism.
+
+`ready_version` is the newest trainer version that new groups are generated under: the trainer's version
+once the registry serves it. With `sync.overlap_publish` a version is handed to the registry in the
+background, and grants wait for `mark_ready` (its replicas answer under it): slots granted earlier
+would sample the previous version and be born one version staler, which on GPU runs with long
+completions sent half the batches past `max_staleness` (dropped) while the trainer waited.
 
 The trainer's rank 0 calls `get_batch(trainer_version, n_groups)`: groups older than
 `trainer_version - max_staleness` are dropped and counted; the oldest acceptable groups go first.
@@ -50,6 +56,7 @@ class RolloutBuffer:
         self._q: deque[Group] = deque()
         self._cond = asyncio.Condition()
         self.trainer_version = trainer_version
+        self.ready_version = trainer_version  # the newest trainer version being served
         self.granted = 0  # slots handed to workers (released slots are given back)
         self.dropped_groups = self.dropped_samples = 0
         self.put_groups = self.taken_groups = 0
@@ -66,7 +73,7 @@ class RolloutBuffer:
         self._stop = False
 
     def _may_grant(self) -> bool:
-        return self.granted // self.groups_per_step <= self.trainer_version + self.lead
+        return self.granted // self.groups_per_step <= self.ready_version + self.lead
 
     async def acquire(self, timeout: float | None = None, worker_id=None) -> bool:
         """Wait for a slot; False once the buffer is closed (training over), or when `worker_id` was
@@ -204,15 +211,29 @@ class RolloutBuffer:
         self._drop_stale()
         self._cond.notify_all()
 
-    async def set_trainer_version(self, version: int) -> None:
-        """Called by the trainer after each publish: frees generation slots for the next batches."""
+    async def set_trainer_version(self, version: int, ready: bool = True) -> None:
+        """Called by the trainer after each step: drops groups now too stale. With `ready` (the version is
+        served already, or publishes nothing) it also frees generation slots for the next batches;
+        otherwise `mark_ready` does when the registry serves it."""
         async with self._cond:
             self._advance(version)
+            if ready:
+                self._ready(version)
+
+    async def mark_ready(self, version: int) -> None:
+        """The registry serves `version` (a background publish finished): new groups sample it."""
+        async with self._cond:
+            self._ready(version)
+
+    def _ready(self, version: int) -> None:
+        self.ready_version = max(self.ready_version, version)  # mark_ready may overtake set_trainer_version
+        self._cond.notify_all()
 
     async def stats(self) -> dict:
         return {"queued": len(self._q), "granted": self.granted, "put_groups": self.put_groups,
                 "taken_groups": self.taken_groups, "dropped_groups": self.dropped_groups,
                 "dropped_samples": self.dropped_samples, "trainer_version": self.trainer_version,
+                "ready_version": self.ready_version,
                 "outstanding": {str(k): len(v) for k, v in self._outstanding.items() if v},
                 "reset_slots": self.reset_slots, "orphan_puts": self.orphan_puts,
                 "expired_groups": self.expired_groups,

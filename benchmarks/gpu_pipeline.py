@@ -99,9 +99,11 @@ def _set_nested(d: dict, dotted: str, value: str) -> None:
 
 
 def yaml_value(v: str):
+    """A --trainer-set value as YAML would read it, except that on/off/yes/no stay words (config enums)."""
     import yaml
 
-    return yaml.safe_load(v)
+    out = yaml.safe_load(v)
+    return v if isinstance(out, bool) and v.lower() not in ("true", "false") else out
 
 
 def _run_trainer(args, work: Path, model: Path, sets: list[str], profile: bool) -> tuple[dict, Path]:
@@ -357,9 +359,10 @@ def phase_rollout(args, work: Path, model: Path, out: Path) -> dict:
     from serve_deployments.app_builder import start_service
 
     gpus = min(1, torch.cuda.device_count())
-    cfg = _config(model, gpus, http_port=_port())
     ray.init(address="local", num_gpus=gpus, include_dashboard=False, runtime_env={"env_vars": {
         "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": _env()["PYTHONPATH"]}})
+    # A free port picked after Ray's own agents bound theirs (52365 was taken by the dashboard agent once).
+    cfg = _config(model, gpus, http_port=_port())
     try:
         from common.registry import get_or_create_registry
 

@@ -264,3 +264,27 @@ def test_resume_refuses_with_one_line_and_exit_2(tmp_path, capsys):
     (run / "summary.json").write_text("{}")
     assert main(["train", "--resume", str(run)]) == 2
     assert "finished" in capsys.readouterr().err
+
+
+def test_grants_wait_for_the_served_version():
+    """With an overlapped publish the trainer's version runs ahead of what the replicas serve: slots for
+    the next batch are granted only once that version is served (mark_ready), so no group is born
+    one version staler than the pacing assumes."""
+    async def go():
+        b = _buffer(max_staleness=1, per_step=1)  # lead 1: batches 0 and 1 at version 0
+        for _ in range(2):
+            await b.acquire(worker_id=0)
+        with pytest.raises(asyncio.TimeoutError):
+            await b.acquire(timeout=0.2, worker_id=0)
+        await b.set_trainer_version(1, ready=False)  # published in the background: not served yet
+        with pytest.raises(asyncio.TimeoutError):
+            await b.acquire(timeout=0.2, worker_id=0)
+        await b.mark_ready(1)
+        assert await b.acquire(timeout=1, worker_id=0)
+        await b.mark_ready(2)  # may overtake the trainer's own call
+        await b.set_trainer_version(2, ready=False)
+        assert await b.acquire(timeout=1, worker_id=0)
+        st = await b.stats()
+        assert (st["trainer_version"], st["ready_version"]) == (2, 2)
+
+    asyncio.run(go())

@@ -194,7 +194,8 @@ def test_overlapped_publish_keeps_order_and_reports_errors_late():
         pm = build_lora_model(cfg)
         pub = AdapterPublisher(rank=0, zero_stage=2, mode="adapter", every=1, delta_threshold=0.0,
                                peft_config=peft_config_dict(pm), registry_name="overlap-registry",
-                               device=torch.device("cpu"), overlap=True)
+                               device=torch.device("cpu"), overlap=True, on_served=lambda v: served.append(v))
+        served = []  # what the buffer's pacing is told: each version once the registry serves it
         registry = pub.registry
         lora_b = next(p for n, p in pm.named_parameters() if "lora_B" in n)
         rows = []
@@ -207,7 +208,9 @@ def test_overlapped_publish_keeps_order_and_reports_errors_late():
         assert "publish_to_served_seconds" not in rows[0]
         assert all(r["publish_to_served_seconds"] >= 0 and r["publish_blocked_seconds"] >= 0 for r in rows[1:])
         assert [r["published"] for r in rows] == [1, 1, 0, 1, 1] and rows[2]["aliased"] == 1
+        assert all(r["served_pending"] == 1 for r in rows)  # the worker tells the buffer "not ready yet"
         done = pub.flush()
+        assert served == [1, 2, 3, 4, 5]
         assert done["publish_to_served_seconds"] >= 0
         history = ray.get(registry.history.remote())
         assert [h["version"] for h in history] == [1, 2, 3, 4, 5]

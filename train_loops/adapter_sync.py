@@ -63,7 +63,7 @@ class AdapterPublisher:
 
     def __init__(self, *, rank: int, zero_stage: int, mode: str, every: int, delta_threshold: float,
                  peft_config: dict, registry_name: str | None, device, start_version: int = 0,
-                 base_model_dir: str | None = None, overlap: bool = False):
+                 base_model_dir: str | None = None, overlap: bool = False, on_served=None):
         self.rank, self.zero_stage, self.mode = rank, zero_stage, mode
         self.every, self.delta_threshold = every, delta_threshold
         self.peft_config, self.device = peft_config, device
@@ -77,6 +77,8 @@ class AdapterPublisher:
         # the next publish (or flush) waits for it and re-raises its error.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="publish") if overlap and self.registry else None
         self._pending: Future | None = None
+        # Rank 0, overlap: called with a version once the registry serves it (the buffer's pacing).
+        self._on_served = on_served
 
     def resume_version(self, checkpoint_version: int) -> int:
         """Continue at max(checkpoint, registry latest) so versions stay monotonic across restarts;
@@ -135,8 +137,14 @@ class AdapterPublisher:
         if self._pool is None:
             return call(version, arg)
         row = self.flush()
-        self._pending = self._pool.submit(call, version, arg)
-        return row
+        self._pending = self._pool.submit(self._call_then_tell, call, version, arg)
+        return {**row, "served_pending": 1}
+
+    def _call_then_tell(self, call, version: int, arg) -> dict:
+        out = call(version, arg)
+        if self._on_served is not None:
+            self._on_served(version)
+        return out
 
     def flush(self) -> dict:
         """Wait for the background registry call (if any); its error is raised here."""

@@ -93,7 +93,7 @@ class GRPOWorker:
             rank=self.rank, zero_stage=cfg.train.zero_stage, mode=cfg.sync.mode, every=cfg.sync.every,
             delta_threshold=cfg.sync.delta_threshold, peft_config=self.peft_config,
             registry_name=loop_cfg.get("registry_name"), device=self.device, base_model_dir=cfg.model.path,
-            overlap=cfg.sync.overlap_publish and cfg.run.mode == "async")
+            overlap=cfg.sync.overlap_publish and cfg.run.mode == "async", on_served=self._buffer_served())
         self.token_budget = self._token_budget()
         self.info = {"liger_kernels": getattr(self.model, "liger_kernels", "off"), "fused_lora": cfg.train.fused_lora,
                      "max_tokens_per_micro_batch": self.token_budget, "device": str(self.device)}
@@ -136,14 +136,16 @@ class GRPOWorker:
         stats = self.learn(batch.samples)
         t2 = time.perf_counter()
         pub = self.publisher.maybe_publish(self.model, step)
+        pending = pub.pop("served_pending", 0)
         prompts = self._record_prompts(batch)
         self.state.update(step=step, version=self.publisher.version,
                           consumed_groups=self.state["consumed_groups"] + len(batch.groups))
         if self.rank == 0 and self.source == "buffer":
             from train_loops.adapter_sync import ray_actor
 
-            # Every step: frees generation slots for the next batches and drops stale groups early.
-            ray_actor(BUFFER_NAME).set_trainer_version.remote(pub["version"])
+            # Every step: drops stale groups early and, once the version is served (at once unless its
+            # publish runs in the background: then the publisher's on_served), frees generation slots.
+            ray_actor(BUFFER_NAME).set_trainer_version.remote(pub["version"], ready=not pending)
         reward_mean, reward_std = batch.reward_stats()
         row = {**stats, **pub, "step_seconds": time.perf_counter() - t0, "batch_wait_seconds": t1 - t0,
                "learn_seconds": t2 - t1, "train_tokens_per_s": stats["seq_tokens"] / max(t2 - t1, 1e-9),
@@ -154,6 +156,15 @@ class GRPOWorker:
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.report(step, row)
         return row
+
+    def _buffer_served(self):
+        """Rank 0 with the buffer: the callback that tells it a version is served (overlapped publish)."""
+        if self.rank != 0 or self.source != "buffer":
+            return None
+        from train_loops.adapter_sync import ray_actor
+
+        buffer = ray_actor(BUFFER_NAME)
+        return None if buffer is None else (lambda v: buffer.mark_ready.remote(v))
 
     def _profiled_step(self, step: int) -> dict:
         """One step under torch.profiler; rank 0 writes the top ops by self time (the speed work's
