@@ -128,7 +128,8 @@ def test_worker_retries_a_group_when_the_ingress_dies(monkeypatch):
             self.fail, self.times = fail, times
             self.generate_group = _Call(self._gen)
 
-        async def _gen(self, ids, n, version, sampling):
+        async def _gen(self, ids, n, version, sampling, drop_if_expired=False):
+            assert drop_if_expired  # rollouts are aborted when their version expires
             calls.append(n)
             if len(calls) <= self.times:
                 raise self.fail

@@ -194,8 +194,11 @@ def test_expired_version_aborts_its_rollouts_only(serve_env, svc, versions):
         publish(reg, v2, *make_lora_payload(serve_env.model_dir, seed=v2))
         publish(reg, v3, *make_lora_payload(serve_env.model_dir, seed=v3))  # trims v1: it expires
         assert ray.get(reg.live_versions.remote())[-2:] == [v2, v3]
-        with pytest.raises(Exception, match="VersionExpiredError|expired"):
+        with pytest.raises(Exception, match="VersionExpiredError|expired") as err:
             rollout.result(timeout_s=120)
+        from app.rollout_worker import _expired, _lost
+
+        assert _expired(err.value) and not _lost(err.value)  # what the worker tells apart: requeue, no retry
         (kept,) = other.result(timeout_s=300)
         assert kept["version"] == v1 and len(kept["token_ids"]) == 400 and kept["finish_reason"] == "length"
         deadline = time.monotonic() + 30

@@ -88,6 +88,10 @@ class AdapterPublisher:
             import ray
 
             latest = int(ray.get(self.registry.latest_version.remote()))
+            if latest and self._on_served is not None:
+                # A restarted trainer: the buffer may have missed the callback of a publish that the
+                # previous incarnation's background thread completed.
+                self._on_served(latest)
         obj = [max(checkpoint_version, latest)]
         if dist.is_initialized():
             dist.broadcast_object_list(obj, src=0, device=self.device if self.device.type == "cuda" else None)
