@@ -68,6 +68,22 @@ def _wait_for(p: subprocess.Popen, log: Path, cond, what: str, timeout: float = 
         time.sleep(0.1)
 
 
+def _settled_rows(run_dir: Path, quiet: float = 3.0, timeout: float = 60.0) -> list[dict]:
+    """The rows once metrics.jsonl stopped changing: the Ray workers of a SIGKILLed driver die a moment
+    after it (fate sharing), and its metrics actor may append a row meanwhile."""
+    f = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        cur = f.stat().st_mtime_ns if f.exists() else None
+        if cur != last:
+            last, since = cur, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            break
+        time.sleep(0.2)
+    return _rows(run_dir)
+
+
 def _checkpoint_steps(run_dir: Path) -> set[int]:
     from app.driver import _complete_checkpoint
 
@@ -95,17 +111,18 @@ def test_sigkill_then_ctrl_c_then_resume_uses_every_prompt_once(tiny_model_dir, 
         p.wait(timeout=60)
     finally:
         _end_group(p)
-    killed_rows = _rows(run_dir)
+    killed_rows = _settled_rows(run_dir)
     ckpt1 = max(_checkpoint_steps(run_dir))
     assert ckpt1 < STEPS and max(r["step"] for r in killed_rows) > ckpt1
     assert not (run_dir / "summary.json").exists()
 
     # 2. resume; one Ctrl-C once it trained past its first step: checkpoint, exit 130
     log2 = tmp_path / "run2.log"
+    t2 = time.time()
     p = _start(["--resume", str(run_dir)], log2)
     try:
-        _wait_for(p, log2, lambda: any(r["step"] >= ckpt1 + 2 and r["time"] > killed_rows[-1]["time"]
-                                       for r in _rows(run_dir)), "the resumed run's steps")
+        _wait_for(p, log2, lambda: any(r["step"] >= ckpt1 + 2 and r["time"] > t2 for r in _rows(run_dir)),
+                  "the resumed run's steps")
         os.kill(p.pid, signal.SIGINT)
         rc = p.wait(timeout=300)
     finally:

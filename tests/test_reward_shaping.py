@@ -86,7 +86,7 @@ class FakeRouter:
         self.plan = plan
         self.generate_group = _M(self._gen)
 
-    async def _gen(self, prompt_ids, n, version, sampling):
+    async def _gen(self, prompt_ids, n, version, sampling, drop_if_expired=False):
         text = "".join(chr(i) for i in prompt_ids)
         return [{"text": c, "token_ids": list(range(k)), "logprobs": [-1.0] * k, "finish_reason": fr,
                  "version": 3} for c, k, fr in self.plan[text]][:n]
