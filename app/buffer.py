@@ -120,12 +120,12 @@ class RolloutBuffer:
             self.granted -= 1
             self.expired_groups += int(expired)
             if self.source is not None and prompt_id is not None:
-                if requeue and expired:
+                if requeue:
                     self.source.requeue(epoch, prompt_id)
-                    self.requeued_stale += 1
-                elif requeue:
-                    self.source.requeue(epoch, prompt_id)
-                    self.requeued_failed += 1
+                    if expired:
+                        self.requeued_stale += 1
+                    else:
+                        self.requeued_failed += 1
                 elif filtered:
                     self._filtered.append(prompt_key(epoch, prompt_id))
                     self.source.take(epoch, prompt_id)

@@ -102,21 +102,6 @@ def model_flops_per_step(model: Path, seqs: int, seq_len: int, completion_len: i
 
 # ---------------------------------------------------------------------------------------------- trainer
 
-def _set_nested(d: dict, dotted: str, value: str) -> None:
-    *path, key = dotted.split(".")
-    for k in path:
-        d = d.setdefault(k, {})
-    d[key] = yaml_value(value)
-
-
-def yaml_value(v: str):
-    """A --trainer-set value as YAML would read it, except that on/off/yes/no stay words (config enums)."""
-    import yaml
-
-    out = yaml.safe_load(v)
-    return v if isinstance(out, bool) and v.lower() not in ("true", "false") else out
-
-
 def _run_trainer(args, work: Path, model: Path, sets: list[str], profile: bool) -> tuple[dict, Path]:
     """One torchrun of train_loops.worker on the synthetic workload; returns its numbers."""
     import torch
@@ -134,9 +119,9 @@ def _run_trainer(args, work: Path, model: Path, sets: list[str], profile: bool) 
         "rollout": {"max_lora_rank": w["lora_rank"]},
         "checkpoint": {"every": 0},
     }
-    for kv in sets:
-        k, v = kv.split("=", 1)
-        _set_nested(config, k, v)
+    from common.config import apply_overrides
+
+    apply_overrides(config, sets)  # the CLI's own --set (from_dict turns YAML's on/off back into words)
     loop_cfg = {"config": config, "batch_source": "synthetic", "runner": "torchrun",
                 "checkpoint_dir": str(work / "ck"), "dump_dir": str(dump),
                 "profile_step": args.trainer_steps - 1 if profile else None,

@@ -70,7 +70,7 @@ def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command
         # next step, and `publish_seconds` is only the trainer's own part).
         "publish_to_served_p50": _p50([r.get("publish_to_served_seconds") for r in steady]),
         "publish_blocked_p50": _p50([r.get("publish_blocked_seconds") for r in steady]),
-        "expired_groups": rows[-1].get("rollout_expired_groups") if rows else None,
+        "expired_groups": rows[-1].get("rollout_expired_groups", 0) if rows else None,
         "dropped_samples": rows[-1].get("dropped_samples") if rows else None,
         "published": sum(r.get("published", 0) for r in rows), "aliased": sum(r.get("aliased", 0) for r in rows),
         "final_version": rows[-1].get("version") if rows else None,

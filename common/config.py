@@ -334,7 +334,8 @@ def from_dict(d: dict | None) -> Config:
         unknown = [k for k in val if k not in names]
         problems += [f"{sec}.{k}: unknown key" + (f" ({_REMOVED[f'{sec}.{k}']})" if f"{sec}.{k}" in _REMOVED else "")
                      for k in unknown]
-        kwargs[sec] = cls(**{k: v for k, v in val.items() if k in names})
+        hints = typing.get_type_hints(cls)
+        kwargs[sec] = cls(**{k: _literal_word(v, hints[k]) for k, v in val.items() if k in names})
     if problems:
         raise ConfigError(problems)
     return Config(**kwargs)
@@ -385,6 +386,14 @@ def load(path: str | None = None, overrides: list[str] | None = None) -> Config:
 
 
 # ---------------------------------------------------------------- validation
+
+def _literal_word(v, tp):
+    """YAML 1.1 reads `off` / `on` as booleans (in files and in --set alike); a field whose allowed
+    words include them gets the word back."""
+    if isinstance(v, bool) and typing.get_origin(tp) is Literal and ("on" if v else "off") in typing.get_args(tp):
+        return "on" if v else "off"
+    return v
+
 
 def _type_problems(cfg: Config) -> list[str]:
     """Check each field against its annotation (int, float, bool, str, optional, list)."""

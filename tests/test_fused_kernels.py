@@ -26,6 +26,16 @@ def test_auto_on_cpu_patches_nothing():
     assert apply_liger(m, cfg, on_gpu=True) == "off"
 
 
+def test_on_and_off_survive_yaml_booleans(tmp_path):
+    from common import config as C
+
+    assert C.load("recipes/tiny-cpu.yaml", ["train.liger_kernels=off"]).train.liger_kernels == "off"
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  liger_kernels: off\n  use_gpu: true\n")
+    assert C.load(str(f)).train.liger_kernels == "off"
+    assert C.load(str(f), ["train.liger_kernels=on"]).train.liger_kernels == "on"
+
+
 def test_on_needs_a_gpu():
     from common.config import ConfigError
 

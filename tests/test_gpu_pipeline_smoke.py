@@ -14,7 +14,7 @@ def test_trainer_phase_and_report(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_pipeline.py"), "--smoke", "--phases",
                            "trainer,pipeline", "--trainer-steps", "3", "--out", str(out), "--work", str(work),
-                           "--trainer-ablation", "train.fused_lora=false"],
+                           "--trainer-ablation", "train.liger_kernels=off,train.fused_lora=false"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((out / "gpu_pipeline.json").read_text())
@@ -22,8 +22,10 @@ def test_trainer_phase_and_report(tmp_path):
     assert doc["trainer_vs_peft"] == doc["trainer_tokens_per_s"] / doc["peft_tokens_per_s"]
     assert doc["workload"]["shape"] == "tiny" and doc["trainer_micro_batches"] >= 1
     assert doc["trainer_info"]["fused_lora"] is True and doc["trainer_info"]["liger_kernels"] == "off (CPU)"
-    abl = doc["trainer_ablation"]["train.fused_lora=false"]  # the same trainer with PEFT's own LoRA layer
-    assert abl["trainer_tokens_per_s"] > 0 and abl["trainer_info"]["fused_lora"] is False
+    # the same trainer with PEFT's own LoRA layer (and `off` kept a word, not YAML's boolean)
+    abl = doc["trainer_ablation"]["train.liger_kernels=off,train.fused_lora=false"]
+    assert abl["trainer_tokens_per_s"] > 0, abl
+    assert abl["trainer_info"]["fused_lora"] is False and abl["trainer_info"]["liger_kernels"] == "off"
     # No GPU here: the pipeline phase is skipped and its goals say why instead of holding a number.
     for key in ("step_seconds_p50", "async_vs_sync", "publish_to_served_p50_s"):
         assert doc[key] is None and "GPU" in doc["not_measured"][key]

@@ -10,11 +10,7 @@ backend here: on CPU nothing is patched.
 """
 from __future__ import annotations
 
-import logging
-
 from common.config import Config, ConfigError
-
-log = logging.getLogger(__name__)
 
 
 def apply_liger(model, cfg: Config, on_gpu: bool) -> str:
@@ -25,7 +21,8 @@ def apply_liger(model, cfg: Config, on_gpu: bool) -> str:
         return "off"
     if not on_gpu:
         if mode == "on":
-            raise ConfigError(["train.liger_kernels: on needs train.use_gpu (Liger's kernels are Triton, GPU only)"])
+            raise ConfigError(["train.liger_kernels: on, but this trainer runs on CPU (Liger's kernels are Triton, "
+                               "GPU only)"])
         return "off (CPU)"
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
