@@ -50,6 +50,59 @@ def test_auto_budget_on_cpu_is_at_least_one_sequence():
     assert mb.activation_bytes_per_token(cfg, 2, True) < mb.activation_bytes_per_token(cfg, 2, False) / 10
 
 
+def _saved_bytes_per_token(layers: int, hidden: int, inter: int, checkpointing: bool, tokens: int = 256) -> float:
+    """Bytes of the tensors autograd keeps for backward after the trainer's forward (real PEFT LoRA on
+    all linears, bf16 as DeepSpeed casts it, sdpa, the fused head), per token; parameters excluded."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from common.config import load
+    from train_loops.grpo import sequence_logprobs
+    from train_loops.lora import apply_lora
+
+    hf = Qwen2Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256, max_position_embeddings=1024, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(hf).to(torch.bfloat16)
+    model.config._attn_implementation = "sdpa"
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    pm = apply_lora(model, load(None, ["lora.rank=1"])).to(torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in pm.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, 256, (1, tokens))
+    start = tokens // 4
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        sequence_logprobs(pm, ids, torch.ones_like(ids), torch.arange(start - 1, tokens - 1)[None], ids[:, start:],
+                          torch.ones(1, tokens - start, dtype=torch.long), 64)
+    return sum(kept.values()) / tokens
+
+
+@pytest.mark.parametrize("hidden,inter", [(256, 1024), (192, 1152)])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_estimate_bounds_what_autograd_keeps(hidden, inter, checkpointing):
+    """The automatic budget's per-layer estimate (HF kernels) is never below what a decoder layer
+    really keeps for backward, and at most 15% above it: under, a step runs out of memory; far over, the
+    step runs more, smaller micro-batches than memory allows (host-bound on an H200). Two shapes pin
+    both the hidden and the intermediate coefficient."""
+    from transformers import Qwen2Config
+
+    per_layer = (_saved_bytes_per_token(2, hidden, inter, checkpointing)
+                 - _saved_bytes_per_token(1, hidden, inter, checkpointing))
+    hf = lambda n: Qwen2Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=n, num_attention_heads=4)  # noqa: E731
+    estimate = mb.activation_bytes_per_token(hf(2), 2, checkpointing) - mb.activation_bytes_per_token(hf(1), 2,
+                                                                                                      checkpointing)
+    assert per_layer <= estimate <= 1.15 * per_layer, (per_layer, estimate)
+    # Liger's kernels keep less (measured on GPU only: Triton has no CPU backend)
+    assert mb.activation_bytes_per_token(hf(2), 2, False, liger=True) < mb.activation_bytes_per_token(hf(2), 2, False)
+
+
 def _step_gradient(model, samples, world: int, budget: int, opts) -> torch.Tensor:
     """What the trainer does for one step (plan, denominators, losses, backwards), with the
     data-parallel average over `world` simulated ranks; returns the flat LoRA gradient."""

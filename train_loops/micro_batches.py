@@ -68,23 +68,31 @@ def step_denominators(rank_samples: list[list[Sample]]) -> tuple[float, float]:
     return max(tokens, 1) / world, max(seqs, 1) / world
 
 
-def activation_bytes_per_token(hf_config, dtype_bytes: int, gradient_checkpointing: bool) -> float:
-    """What one token of one sequence keeps for backward in a LoRA-on-all-linear decoder. Counted per
-    layer: the tensors saved for backward are about 12 x hidden (norms with their float32 copies,
-    q/k/v, attention in and out, residuals) plus 5 x intermediate (gate, up, the activation and its
-    product, the down projection's input). With checkpointing, only each layer's input stays, plus one
-    layer's worth while it is recomputed."""
+def activation_bytes_per_token(hf_config, dtype_bytes: int, gradient_checkpointing: bool,
+                               liger: bool = False) -> float:
+    """What one token of one sequence keeps for backward in a LoRA-on-all-linear decoder, per layer
+    (counted with saved-tensor hooks in tests/test_micro_batches.py, on a real PEFT model in the dtype
+    DeepSpeed casts it to):
+    - HF's layers keep about 9 x hidden (the two RMSNorms' inputs with their float32 copies, q/k/v, the
+      attention output) plus 4 x intermediate (gate, its SiLU, up, their product), plus a few per-row
+      statistics;
+    - Liger's RMSNorm keeps no float32 copy and its SwiGLU recomputes the SiLU: 6 x hidden + 3 x
+      intermediate. Triton has no CPU backend, so this one is from the H200's peak memory (45.6 GiB with
+      Liger, 57.6 without, at 19.5k tokens of the 1.5B shape; results/gpu_pipeline.json).
+    With checkpointing, only each layer's input stays, plus one layer's worth while it is recomputed."""
     h = hf_config.hidden_size
     i = getattr(hf_config, "intermediate_size", 4 * h)
     layers = hf_config.num_hidden_layers
-    per_layer = (12 * h + 5 * i) * dtype_bytes
+    heads = getattr(hf_config, "num_attention_heads", 1)
+    # + per-row statistics: the norms' rstd, attention's logsumexp per head, the LoRA rank-r activations
+    per_layer = ((6 * h + 3 * i) if liger else (9 * h + 4 * i)) * dtype_bytes + 4 * heads + 256
     if gradient_checkpointing:
         return layers * h * dtype_bytes + per_layer
     return layers * per_layer
 
 
 def auto_budget(hf_config, device, dtype_bytes: int, gradient_checkpointing: bool, max_model_len: int,
-                logprob_chunk: int, headroom: float = 0.5) -> int:
+                logprob_chunk: int, headroom: float = 0.5, liger: bool = False) -> int:
     """Tokens per micro-batch that fit in `headroom` of the device's free memory (after the model and,
     on a shared GPU, the vLLM engine took theirs): at least one sequence, at most 262,144. On CPU a
     fixed CPU_DEFAULT_BUDGET. Ranks may see different free memory: the caller takes the minimum."""
@@ -95,7 +103,7 @@ def auto_budget(hf_config, device, dtype_bytes: int, gradient_checkpointing: boo
     free, _ = torch.cuda.mem_get_info(device)
     # The chunked log-softmax holds one chunk of float32 logits (and its grad) at a time.
     free -= 3 * logprob_chunk * hf_config.vocab_size * 4
-    per_token = activation_bytes_per_token(hf_config, dtype_bytes, gradient_checkpointing)
+    per_token = activation_bytes_per_token(hf_config, dtype_bytes, gradient_checkpointing, liger)
     budget = int(headroom * max(free, 0) / per_token)
     return max(max_model_len, min(budget, 262_144))
 

@@ -245,8 +245,9 @@ class GRPOWorker:
         if t.max_tokens_per_micro_batch is not None:
             return t.max_tokens_per_micro_batch
         dtype_bytes = 4 if self.cfg.torch_dtype == "float32" else 2
+        liger = str(getattr(self.model, "liger_kernels", "off")).startswith("on")
         mine = auto_budget(self.model.config, self.device, dtype_bytes, t.gradient_checkpointing,
-                           self.cfg.model.max_model_len, t.logprob_chunk)
+                           self.cfg.model.max_model_len, t.logprob_chunk, liger=liger)
         v = torch.tensor([mine], dtype=torch.int64, device=self.device)
         dist.all_reduce(v, op=dist.ReduceOp.MIN)
         return int(v.item())
