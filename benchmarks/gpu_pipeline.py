@@ -14,7 +14,7 @@ Phases (each in its own processes, so each starts with a clean GPU):
   checkpointing, sdpa, full logits + log-softmax, 16 sequences per micro-batch) on the same tokens.
   One trainer step runs under torch.profiler: its top ops go to gpu_pipeline_profile.txt.
 - rollout (1 GPU): 128 completions through the router -> replica -> AsyncLLM path against a bare
-  AsyncLLM with the same engine arguments, adapter and prompts.
+  AsyncLLM with the same engine arguments, adapter and prompts; both engines alive, passes interleaved.
 - pipeline (2 GPUs: one training, one rollout): the whole `app train` run, async and then sync, same
   work: step seconds, publish -> served latency, async over sync.
 
@@ -53,9 +53,11 @@ def _p50(xs):
     return xs[len(xs) // 2] if xs else None
 
 
-# Rollout phase: passes of 16 x 8 completions per side, the first a warm-up; the median of the rest (one
-# GPU's run-to-run spread was +-12% with 2 timed passes).
+# Rollout phase: rounds of one pass of 16 x 8 completions per side, the first a warm-up (one GPU's passes
+# drifted by +-12% when each side ran its passes in a block). Each engine gets ROLLOUT_MEM of the GPU:
+# the workload's KV cache needs about 5 GB of it.
 ROLLOUT_REPS = 6
+ROLLOUT_MEM = 0.4
 
 
 def _median(xs):
@@ -282,14 +284,18 @@ def _sampling() -> dict:
             "ignore_eos": w["ignore_eos"]}
 
 
-def bare_vllm(model: str, adapter_dir: str, out: str) -> None:
-    """A bare AsyncLLM with the replica's engine arguments: 16 prompts x 8 samples with the adapter, the
-    same sampling (per-token logprobs, ignore_eos), once to warm up and twice timed."""
+BARE = "BARE "  # the bare engine's lines on stdout (vLLM logs there too)
+
+
+def bare_vllm(model: str, adapter_dir: str, mem: float) -> None:
+    """A bare AsyncLLM with the replica's engine arguments, the same adapter and sampling, serving passes
+    of 16 prompts x 8 samples on request: prints `BARE ready`, then for each `go` line on stdin one pass
+    and `BARE {"tokens_per_s": ...}`; stops at `stop` or end of input."""
     import torch
 
     from serve_deployments.engine_config import engine_env, engine_kwargs
 
-    cfg = _config(Path(model), torch.cuda.device_count())
+    cfg = _config(Path(model), torch.cuda.device_count(), gpu_memory_utilization=mem)
     os.environ.update(engine_env(cfg))  # the replica's engine environment (engine-core process mode too)
     from vllm import AsyncEngineArgs, SamplingParams
     from vllm.lora.request import LoRARequest
@@ -320,45 +326,96 @@ def bare_vllm(model: str, adapter_dir: str, out: str) -> None:
             engine.tokenizer.decode(list(c.token_ids), skip_special_tokens=True)
             return len(c.token_ids)
 
-        rates = []
-        for rep in range(ROLLOUT_REPS):
+        print(BARE + "ready", flush=True)
+        loop = asyncio.get_running_loop()
+        rep = 0
+        while (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "go":
             t0 = time.perf_counter()
             n = await asyncio.gather(*[one(p, k, f"r{rep}") for p in range(w["prompts_per_step"])
                                        for k in range(w["group_size"])])
-            rates.append(sum(n) / (time.perf_counter() - t0))
+            print(BARE + json.dumps({"tokens_per_s": sum(n) / (time.perf_counter() - t0)}), flush=True)
+            rep += 1
         engine.shutdown()
-        return rates
 
-    rates = asyncio.run(go())
-    Path(out).write_text(json.dumps({"bare_vllm_tokens_per_s": _median(rates[1:]), "bare_vllm_runs": rates}))
+    asyncio.run(go())
+
+
+class _BareEngine:
+    """The bare engine's child process, driven a pass at a time (see bare_vllm)."""
+
+    def __init__(self, model: Path, adapter: Path, mem: float, log: Path):
+        import queue
+        import threading
+
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "_bare", "--model", str(model), "--adapter", str(adapter), "--mem", str(mem)],
+            cwd=REPO, env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True)
+        self.lines: queue.Queue = queue.Queue()
+
+        def pump():
+            with open(log, "w") as f:
+                for line in self.proc.stdout:
+                    f.write(line)
+                    f.flush()
+                    if line.startswith(BARE):
+                        self.lines.put(line[len(BARE):].strip())
+            self.lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        self._expect("ready", timeout=1200)
+
+    def _expect(self, what: str | None = None, timeout: float = 900):
+        import queue
+
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            line = None
+        if line is None or (what is not None and line != what):
+            self.close()
+            raise RuntimeError(f"bare engine: expected {what or 'a pass'}, got {line!r}; log in {self.log}")
+        return line
+
+    def pass_rate(self) -> float:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return float(json.loads(self._expect())["tokens_per_s"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("stop\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
 
 
 def phase_rollout(args, work: Path, model: Path, out: Path) -> dict:
+    """Bare AsyncLLM and router -> replica -> AsyncLLM, both engines alive on the same GPU (each with
+    ROLLOUT_MEM of it), their passes interleaved A B B A ...: the GPU's drift over minutes (one lease's
+    passes rose or fell by 12% in a row) then hits both sides alike. The ratio is the median over
+    rounds of serve / bare within each round; the first round is a warm-up."""
     import ray
+    import torch
 
     from common.adapter_io import write_peft_dir
+    from serve_deployments.app_builder import start_service
 
     tensors, meta = _random_adapter(model)
     adir = write_peft_dir(tensors, meta["peft_config"], work / "adapter")
     res: dict = {}
-    cmd = [sys.executable, __file__, "_bare", "--model", str(model), "--adapter", str(adir),
-           "--out", str(work / "bare.json")]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
-    if proc.returncode != 0:
-        (out / "gpu_pipeline_bare.log").write_text(proc.stdout + proc.stderr)
-        res["bare_error"] = proc.stderr[-2000:]
-    else:
-        res.update(json.loads((work / "bare.json").read_text()))
-
-    import torch
-
-    from serve_deployments.app_builder import start_service
-
     gpus = min(1, torch.cuda.device_count())
+    t0 = time.time()
+    bare = _BareEngine(model, adir, ROLLOUT_MEM, out / "gpu_pipeline_bare.log")
+    res["bare_start_s"] = time.time() - t0
     ray.init(address="local", num_gpus=gpus, include_dashboard=False, runtime_env={"env_vars": {
         "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": _env()["PYTHONPATH"]}})
     # A free port picked after Ray's own agents bound theirs (52365 was taken by the dashboard agent once).
-    cfg = _config(model, gpus, http_port=_port())
+    cfg = _config(model, gpus, http_port=_port(), gpu_memory_utilization=ROLLOUT_MEM)
     try:
         from common.registry import get_or_create_registry
 
@@ -368,24 +425,35 @@ def phase_rollout(args, work: Path, model: Path, out: Path) -> dict:
         res["serve_start_s"] = time.time() - t0
         ray.get(registry.publish.remote(1, ray.put(tensors), meta))
         w = WORKLOAD
-        info_vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        prompts = _prompts(info_vocab)
-        rates = []
-        for _ in range(ROLLOUT_REPS):
+        prompts = _prompts(json.loads((model / "config.json").read_text())["vocab_size"])
+
+        def serve_pass() -> float:
             t0 = time.perf_counter()
             refs = [handle.generate_group.remote(p, w["group_size"], 1, _sampling()) for p in prompts]
-            groups = [r.result() for r in refs]
-            n = sum(len(c["token_ids"]) for g in groups for c in g)
-            rates.append(n / (time.perf_counter() - t0))
-        res["rollout_tokens_per_s"] = _median(rates[1:])
-        res["rollout_runs"] = rates
+            n = sum(len(c["token_ids"]) for r in refs for c in r.result())
+            return n / (time.perf_counter() - t0)
+
+        bare_runs, serve_runs = [], []
+        for i in range(ROLLOUT_REPS):
+            if i % 2 == 0:
+                bare_runs.append(bare.pass_rate())
+                serve_runs.append(serve_pass())
+            else:
+                serve_runs.append(serve_pass())
+                bare_runs.append(bare.pass_rate())
+        ratios = [sv / b for sv, b in zip(serve_runs[1:], bare_runs[1:])]
+        res.update({"bare_vllm_tokens_per_s": _median(bare_runs[1:]), "bare_vllm_runs": bare_runs,
+                    "rollout_tokens_per_s": _median(serve_runs[1:]), "rollout_runs": serve_runs,
+                    "rollout_ratio_runs": ratios, "rollout_vs_bare_vllm": _median(ratios),
+                    "rollout_method": f"both engines alive (gpu_memory_utilization {ROLLOUT_MEM} each), passes "
+                                      f"interleaved ABBA, {ROLLOUT_REPS} rounds, the first a warm-up; the "
+                                      "median of the per-round ratios"})
     finally:
         from ray import serve
 
+        bare.close()
         serve.shutdown()
         ray.shutdown()
-    if res.get("rollout_tokens_per_s") and res.get("bare_vllm_tokens_per_s"):
-        res["rollout_vs_bare_vllm"] = res["rollout_tokens_per_s"] / res["bare_vllm_tokens_per_s"]
     return res
 
 
@@ -525,12 +593,13 @@ def main(argv=None) -> int:
         p.add_argument("--steps", type=int, default=4)
         p.add_argument("--mode")
         p.add_argument("--data")
+        p.add_argument("--mem", type=float, default=ROLLOUT_MEM)
         p.add_argument("--out")
         a = p.parse_args(argv)
         if a.what == "_peft":
             Path(a.out).write_text(json.dumps(peft_loop(a.model, a.steps, micro=16)))
         elif a.what == "_bare":
-            bare_vllm(a.model, a.adapter, a.out)
+            bare_vllm(a.model, a.adapter, a.mem)
         else:
             pipeline_run(a.model, a.mode, a.data, a.steps, a.out)
         return 0

