@@ -14,7 +14,7 @@ from _train_helpers import small_config, tiny_model  # noqa: E402
 def test_auto_on_cpu_patches_nothing():
     from transformers import AutoModelForCausalLM
 
-    from train_loops.fused_kernels import apply_liger
+    from train_loops.fused_kernels import apply_liger, liger_applied
 
     cfg = small_config(tiny_model())
     m = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
@@ -24,6 +24,8 @@ def test_auto_on_cpu_patches_nothing():
     assert forwards == {n: type(mod).forward for n, mod in m.named_modules()}
     cfg.train.liger_kernels = "off"
     assert apply_liger(m, cfg, on_gpu=True) == "off"
+    # the budget's estimate follows the status: nothing patched here, so HF's layers are counted
+    assert not liger_applied(apply_liger(m, cfg, on_gpu=True)) and not liger_applied("off (CPU)")
 
 
 def test_on_and_off_survive_yaml_booleans(tmp_path):

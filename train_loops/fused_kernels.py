@@ -39,3 +39,8 @@ def apply_liger(model, cfg: Config, on_gpu: bool) -> str:
     _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=False)
     return f"on ({model_type}: rms_norm, rope, swiglu)"
+
+
+def liger_applied(status: str) -> bool:
+    """Whether apply_liger's status line says the kernels are in the model (the memory estimate differs)."""
+    return status.startswith("on")

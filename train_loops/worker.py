@@ -239,13 +239,14 @@ class GRPOWorker:
 
     def _token_budget(self) -> int:
         """train.max_tokens_per_micro_batch, or the automatic one agreed by all ranks (the smallest)."""
+        from train_loops.fused_kernels import liger_applied
         from train_loops.micro_batches import auto_budget
 
         t = self.cfg.train
         if t.max_tokens_per_micro_batch is not None:
             return t.max_tokens_per_micro_batch
         dtype_bytes = 4 if self.cfg.torch_dtype == "float32" else 2
-        liger = str(getattr(self.model, "liger_kernels", "off")).startswith("on")
+        liger = liger_applied(getattr(self.model, "liger_kernels", "off"))
         mine = auto_budget(self.model.config, self.device, dtype_bytes, t.gradient_checkpointing,
                            self.cfg.model.max_model_len, t.logprob_chunk, liger=liger)
         v = torch.tensor([mine], dtype=torch.int64, device=self.device)
