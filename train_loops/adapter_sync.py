@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from common.adapter_io import make_meta, tensors_nbytes
-from common.names import NAMESPACE
+from common.ray_utils import named_actor
 
 
 def gather_lora_state(peft_model, zero_stage: int) -> dict[str, torch.Tensor]:
@@ -47,17 +47,6 @@ def _all_reduce_max(x: float, device) -> float:
     return float(t.item())
 
 
-def ray_actor(name: str | None):
-    """The named actor in the project namespace, when a name is given and this process is in Ray."""
-    if not name:
-        return None
-    import ray
-
-    if not ray.is_initialized():
-        return None
-    return ray.get_actor(name, namespace=NAMESPACE)
-
-
 class AdapterPublisher:
     """Holds the policy version counter and the last published tensors (for the delta skip)."""
 
@@ -67,7 +56,7 @@ class AdapterPublisher:
         self.rank, self.zero_stage, self.mode = rank, zero_stage, mode
         self.every, self.delta_threshold = every, delta_threshold
         self.peft_config, self.device = peft_config, device
-        self.registry = ray_actor(registry_name) if rank == 0 else None
+        self.registry = named_actor(registry_name) if rank == 0 else None
         self.version = start_version  # the trainer's policy version: optimizer steps taken
         self.served_version = 0  # the newest version the registry holds (published or tagged); 0 = base
         self._last: dict[str, torch.Tensor] | None = None

@@ -62,7 +62,8 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
 
 class GRPOWorker:
     def __init__(self, cfg: Config, loop_cfg: dict):
-        from train_loops.adapter_sync import AdapterPublisher, ray_actor
+        from common.ray_utils import named_actor
+        from train_loops.adapter_sync import AdapterPublisher
         from train_loops.deepspeed_setup import build_engine, init_distributed
         from train_loops.lora import build_lora_model, peft_config_dict
         from train_loops.policy import PolicyLogprobs
@@ -88,7 +89,7 @@ class GRPOWorker:
         chunk = cfg.train.logprob_chunk if cfg.train.zero_stage < 3 else 1 << 62
         policy = PolicyLogprobs(self.model, chunk, cfg.grpo.temperature)
         self.engine = build_engine(policy, cfg, self.world, loop_cfg.get("ds_overrides"))
-        self.metrics = ray_actor(loop_cfg.get("metrics_name")) if self.rank == 0 else None
+        self.metrics = named_actor(loop_cfg.get("metrics_name")) if self.rank == 0 else None
         self.publisher = AdapterPublisher(
             rank=self.rank, zero_stage=cfg.train.zero_stage, mode=cfg.sync.mode, every=cfg.sync.every,
             delta_threshold=cfg.sync.delta_threshold, peft_config=self.peft_config,
@@ -141,11 +142,11 @@ class GRPOWorker:
         self.state.update(step=step, version=self.publisher.version,
                           consumed_groups=self.state["consumed_groups"] + len(batch.groups))
         if self.rank == 0 and self.source == "buffer":
-            from train_loops.adapter_sync import ray_actor
+            from common.ray_utils import named_actor
 
             # Every step: drops stale groups early and, once the version is served (at once unless its
             # publish runs in the background: then the publisher's on_served), frees generation slots.
-            ray_actor(BUFFER_NAME).set_trainer_version.remote(pub["version"], ready=not pending)
+            named_actor(BUFFER_NAME).set_trainer_version.remote(pub["version"], ready=not pending)
         reward_mean, reward_std = batch.reward_stats()
         row = {**stats, **pub, "step_seconds": time.perf_counter() - t0, "batch_wait_seconds": t1 - t0,
                "learn_seconds": t2 - t1, "train_tokens_per_s": stats["seq_tokens"] / max(t2 - t1, 1e-9),
@@ -161,9 +162,9 @@ class GRPOWorker:
         """Rank 0 with the buffer: the callback that tells it a version is served (overlapped publish)."""
         if self.rank != 0 or self.source != "buffer":
             return None
-        from train_loops.adapter_sync import ray_actor
+        from common.ray_utils import named_actor
 
-        buffer = ray_actor(BUFFER_NAME)
+        buffer = named_actor(BUFFER_NAME)
         return None if buffer is None else (lambda v: buffer.mark_ready.remote(v))
 
     def _profiled_step(self, step: int) -> dict:
@@ -326,10 +327,10 @@ class GRPOWorker:
         """Rank 0's handle on the RolloutBuffer actor, or None (no Ray, no buffer: trainer-only tests)."""
         if self.rank != 0 or self.source != "buffer":
             return None
-        from train_loops.adapter_sync import ray_actor
+        from common.ray_utils import named_actor
 
         try:
-            return ray_actor(BUFFER_NAME)
+            return named_actor(BUFFER_NAME)
         except ValueError:
             return None
 
