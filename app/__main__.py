@@ -1,9 +1,15 @@
-"""`python -m app COMMAND`: train | serve | merge | tiny-model | validate | bench."""
+"""`python -m app COMMAND`: the command line, every command's arguments parsed here; each command then
+calls the module that does its job (app.driver for train, app.service for serve, app.evaluate for eval,
+app.report, app.preflight, app.tiny_model, train_loops.merge, benchmarks/)."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.config import Config
 
 COMMANDS = {
     "train": "run async (or sync) LoRA GRPO: rollouts on vLLM replicas, training on Ray Train",
@@ -48,24 +54,26 @@ def cmd_train(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from app import driver
     from app.data import DataError
+    from app.resume import ResumeError, prepare_resume
+    from app.watch import StallError
     from common.config import ConfigError, load
 
     cfg = None
     try:
         if args.resume:
             if args.config:
-                raise driver.ResumeError("--resume takes the run's own config.yaml: leave out --config")
-            cfg, resume = driver.prepare_resume(args.resume, args.set)
+                raise ResumeError("--resume takes the run's own config.yaml: leave out --config")
+            cfg, resume = prepare_resume(args.resume, args.set)
         else:
             cfg, resume = load(args.config, args.set), None
         if args.serve:
             cfg.run.serve_after = True
         summary = driver.run(cfg, keep_serving=cfg.run.serve_after, progress=not args.no_progress,
                              verbose=args.verbose, resume=resume)
-    except (ConfigError, DataError, FileNotFoundError, driver.ResumeError) as e:
+    except (ConfigError, DataError, FileNotFoundError, ResumeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except driver.StallError as e:
+    except StallError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -106,7 +114,7 @@ def cmd_validate(argv: list[str]) -> int:
 
     try:
         cfg = load(args.config, args.set)
-        from app.driver import preflight
+        from app.preflight import preflight
 
         rows = preflight(cfg)
     except (ConfigError, DataError, FileNotFoundError) as e:
@@ -138,9 +146,46 @@ def cmd_merge(argv: list[str]) -> int:
 
 
 def cmd_serve(argv: list[str]) -> int:
-    from serve_deployments.app_builder import serve_main
+    p = argparse.ArgumentParser(prog="python -m app serve", description=(
+        "Serve a model (and optionally a saved PEFT adapter as policy-v1 / policy-latest) behind the "
+        "OpenAI-compatible prefix-aware router until interrupted."))
+    p.add_argument("--model", required=True, help="HF model directory")
+    p.add_argument("--adapter", help="saved PEFT adapter directory, published as policy-v1")
+    p.add_argument("--replicas", type=int, default=None, help="vLLM replicas (default rollout.replicas)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default rollout.http_port)")
+    p.add_argument("--config", help="YAML config for the rest (engine, router, admin token)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--address", default=None, help="Ray cluster to join (default: running cluster or new local)")
+    args = p.parse_args(argv)
+    from app.service import serve_policy
+    from common.adapter_io import AdapterError
+    from common.config import ConfigError
 
-    return serve_main(argv)
+    sets = list(args.set) + [f"model.path={args.model}", "model.build_tiny=false"]
+    if args.replicas is not None:
+        sets.append(f"rollout.replicas={args.replicas}")
+    if args.port is not None:
+        sets.append(f"rollout.http_port={args.port}")
+    try:
+        cfg, payload = _config_and_adapter(args.config, sets, args.adapter)
+    except (ConfigError, AdapterError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    serve_policy(cfg, payload, args.adapter, args.address)
+    return 0
+
+
+def _config_and_adapter(config: str | None, sets: list[str], adapter: str | None
+                        ) -> tuple[Config, tuple[dict, dict] | None]:
+    """The config of `serve` and `eval`, and the adapter's (tensors, meta) payload (None without one).
+    The adapter is read before anything starts, so a bad directory fails fast; its rank sets lora.rank."""
+    from common.config import load
+    from serve_deployments.app_builder import read_adapter_payload
+
+    payload = None
+    if adapter:
+        payload, sets = read_adapter_payload(adapter, sets)
+    return load(config, sets), payload
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -158,9 +203,48 @@ def cmd_bench(argv: list[str]) -> int:
 
 
 def cmd_eval(argv: list[str]) -> int:
-    from app.evaluate import eval_main
+    p = argparse.ArgumentParser(prog="python -m app eval", description=(
+        "Score a model (or a saved PEFT adapter on it) on held-out prompts through the served policy: "
+        "starts the service, runs the training-time evaluation once, prints accuracy, stops."))
+    p.add_argument("--model", required=True, help="HF model directory")
+    p.add_argument("--adapter", help="saved PEFT adapter directory (served as policy-v1)")
+    p.add_argument("--data", required=True, help="parquet/JSONL/dir like data.path, or builtin:letters-heldout")
+    p.add_argument("--samples", type=int, default=None, help="eval prompts (default eval.samples)")
+    p.add_argument("--pass-k", type=int, default=None, help="also report pass@k (k samples at grpo.temperature)")
+    p.add_argument("--config", help="YAML config for the rest (reward, columns, engine)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    p.add_argument("--verbose", action="store_true", help="stream Ray, Serve and vLLM logs")
+    args = p.parse_args(argv)
+    import json
 
-    return eval_main(argv)
+    from app.data import DataError
+    from app.evaluate import eval_rows, evaluate_service
+    from common.adapter_io import AdapterError
+    from common.config import ConfigError
+
+    sets = list(args.set) + [f"model.path={args.model}", "model.build_tiny=false", f"eval.path={args.data}",
+                             "rollout.workers=1"]
+    if args.samples is not None:
+        sets.append(f"eval.samples={args.samples}")
+    if args.pass_k is not None:
+        sets.append(f"eval.pass_k={args.pass_k}")
+    try:
+        cfg, payload = _config_and_adapter(args.config, sets, args.adapter)
+        rows = eval_rows(cfg)
+    except (ConfigError, AdapterError, DataError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    metrics = evaluate_service(cfg, rows, payload, verbose=args.verbose)
+    what = f"{args.adapter} on {args.model}" if args.adapter else args.model
+    if args.json:
+        print(json.dumps(metrics))
+    line = (f"eval: {what} on {args.data}: accuracy {metrics['eval/accuracy']:.3f} "
+            f"({metrics['eval/samples']} prompts, greedy)")
+    if cfg.eval.pass_k > 1:
+        line += f", pass@{cfg.eval.pass_k} {metrics[f'eval/pass@{cfg.eval.pass_k}']:.3f}"
+    print(line, flush=True)
+    return 0
 
 
 def cmd_report(argv: list[str]) -> int:

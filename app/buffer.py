@@ -15,28 +15,28 @@ completions sent half the batches past `max_staleness` (dropped) while the train
 The trainer's rank 0 calls `get_batch(trainer_version, n_groups)`: groups older than
 `trainer_version - max_staleness` are dropped and counted; the oldest acceptable groups go first.
 
-Slots per worker: a worker that passes its `worker_id` to `acquire` / `release` / `put` has its
-granted-but-not-put slots tracked, and `reset_worker(worker_id)` (what a restarted worker calls first)
+Slots per worker: every caller passes its `worker_id` to `acquire` / `release` / `put`, and the buffer
+tracks its granted-but-not-put slots; `reset_worker(worker_id)` (what a restarted worker calls first)
 gives them back, so the restarted worker samples them again: none lost, none doubled. A call the dead
 incarnation left behind cannot double a slot either: its pending `acquire` grants nothing after the
-reset, and a late `put` for a slot already given back is dropped and counted (`orphan_puts`). Calls
-without a worker id keep the old, untracked behaviour.
+reset, and a late `put` for a slot already given back is dropped and counted (`orphan_puts`).
 
-Prompts (issue 10, item 2): given the rows, the buffer is also the one source of prompts
-(`common.data_cursor.PromptSource`): `acquire` returns `{"epoch", "row"}` with the slot, so which prompt
-a slot samples is decided in one place, and every way a group can be lost gives its prompt back to be
-handed out again: a stale group dropped, a failed generation (`release(..., requeue=True)`), a dead
-worker's slots (`reset_worker`), steps lost with a restored train worker group (`rewind`). Built from
-a checkpoint's record (`consumed`), it skips what the checkpointed steps trained on. Groups dynamic
-sampling filtered out reach the trainer's record with the next batch (`filtered`), so they are not
-sampled again either. `request_stop` / `stop_requested`: the driver's Ctrl-C, read by the trainer
-between steps (it then checkpoints and ends).
+Prompts: the buffer is the run's one source of prompts (`common.data_cursor.PromptSource`): `acquire`
+returns a `Grant` (`{"epoch", "row"}`) with the slot, so which prompt a slot samples is decided in one
+place, and every way a group can be lost gives its prompt back to be handed out again: a stale group
+dropped, a failed generation (`release(..., requeue=True)`), a dead worker's slots (`reset_worker`),
+steps lost with a restored train worker group (`rewind`). Built from a checkpoint's record
+(`consumed`), it skips what the checkpointed steps trained on. Groups dynamic sampling filtered out
+reach the trainer's record with the next batch (`filtered`), so they are not sampled again either.
+`request_stop` / `stop_requested`: the driver's Ctrl-C, read by the trainer between steps (it then
+checkpoints and ends).
 """
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import deque
+from typing import TypedDict
 
 import ray
 
@@ -45,11 +45,17 @@ from common.names import BUFFER_NAME  # noqa: F401  (the actor is created under 
 from common.types import Group
 
 
+class Grant(TypedDict):
+    """A slot granted by `acquire`: the prompt to sample and the data epoch it was handed out in."""
+
+    epoch: int
+    row: dict
+
+
 @ray.remote(num_cpus=0)
 class RolloutBuffer:
-    def __init__(self, max_staleness: int, groups_per_step: int, lead: int | None = None,
-                 rows: list[dict] | None = None, seed: int = 0, epochs: int = 1, consumed: dict | None = None,
-                 trainer_version: int = 0):
+    def __init__(self, max_staleness: int, groups_per_step: int, rows: list[dict], *, lead: int | None = None,
+                 seed: int = 0, epochs: int = 1, consumed: dict | None = None, trainer_version: int = 0):
         self.max_staleness = max_staleness
         self.groups_per_step = groups_per_step
         self.lead = max_staleness if lead is None else lead
@@ -61,12 +67,11 @@ class RolloutBuffer:
         self.dropped_groups = self.dropped_samples = 0
         self.put_groups = self.taken_groups = 0
         self._closed = False
-        # worker id -> its slots granted and neither released nor put: (epoch, prompt id), or None when
-        # the buffer hands out no prompts
-        self._outstanding: dict[object, list] = {}
-        self._epoch: dict = {}  # worker id -> incarnation, bumped by reset_worker
+        # worker id -> its slots granted and neither released nor put: (epoch, prompt id)
+        self._outstanding: dict[object, list[tuple[int, str]]] = {}
+        self._incarnation: dict = {}  # worker id -> incarnation, bumped by reset_worker
         self.reset_slots = self.orphan_puts = self.expired_groups = 0
-        self.source = PromptSource(rows, seed, epochs, consumed) if rows is not None else None
+        self.source = PromptSource(rows, seed, epochs, consumed)
         self._filtered: list[str] = []  # prompt keys of filtered groups, for the next batch's record
         self.filtered_total = self.requeued_failed = self.requeued_stale = self.requeued_reset = 0
         self.rewound = 0
@@ -75,69 +80,64 @@ class RolloutBuffer:
     def _may_grant(self) -> bool:
         return self.granted // self.groups_per_step <= self.ready_version + self.lead
 
-    async def acquire(self, timeout: float | None = None, worker_id=None) -> bool:
-        """Wait for a slot; False once the buffer is closed (training over), or when `worker_id` was
-        reset while waiting (the caller is a dead incarnation)."""
+    async def acquire(self, worker_id, timeout: float | None = None) -> Grant | None:
+        """Wait for a slot and its prompt; None once the buffer is closed (training over), the data's
+        epochs are all handed out, or `worker_id` was reset while waiting (the caller is a dead
+        incarnation)."""
         async with self._cond:
-            epoch = self._epoch.get(worker_id)
+            incarnation = self._incarnation.get(worker_id)
             await asyncio.wait_for(self._cond.wait_for(
-                lambda: self._closed or self._epoch.get(worker_id) != epoch or self._may_grant()), timeout)
-            if self._closed or self._epoch.get(worker_id) != epoch:
-                return False
-            grant: dict | bool = True
-            slot = None
-            if self.source is not None:
-                nxt = self.source.next()
-                if nxt is None:
-                    return False  # the data's epochs are all handed out
-                grant = {"epoch": nxt[0], "row": nxt[1]}
-                slot = (nxt[0], str(nxt[1]["id"]))
+                lambda: self._closed or self._incarnation.get(worker_id) != incarnation or self._may_grant()),
+                timeout)
+            if self._closed or self._incarnation.get(worker_id) != incarnation:
+                return None
+            handed = self.source.next()
+            if handed is None:
+                return None
+            epoch, row = handed
             self.granted += 1
-            if worker_id is not None:
-                self._outstanding.setdefault(worker_id, []).append(slot)
-            return grant
+            self._outstanding.setdefault(worker_id, []).append((epoch, str(row["id"])))
+            return Grant(epoch=epoch, row=row)
 
-    def _pop_slot(self, worker_id, epoch=None, prompt_id=None):
-        """Remove one of the worker's outstanding slots (the one for this prompt when given); returns
-        False when it holds none (already given back by reset_worker)."""
+    def _pop_slot(self, worker_id, epoch: int, prompt_id: str) -> bool:
+        """Remove the worker's outstanding slot for this prompt; False when it holds none (already
+        given back by reset_worker)."""
         slots = self._outstanding.get(worker_id) or []
         if not slots:
             return False
-        key = (int(epoch), str(prompt_id)) if prompt_id is not None else None
+        key = (int(epoch), str(prompt_id))
         slots.remove(key if key in slots else slots[0])
         return True
 
-    async def release(self, worker_id=None, epoch: int | None = None, prompt_id: str | None = None,
-                      requeue: bool = False, filtered: bool = False, expired: bool = False) -> None:
-        """Give back a slot whose group failed or was never started. With the prompt: `requeue` hands it
-        out again (a failed generation); `filtered` (dynamic sampling dropped the group: no signal) has it
-        accounted for in the trainer's record with the next batch, never sampled again this epoch.
-        `expired`: the group's version expired mid-generation (aborted: it would have been dropped as
-        stale), counted in `expired_groups`."""
+    async def release(self, worker_id, epoch: int, prompt_id: str, *, requeue: bool = False,
+                      filtered: bool = False, expired: bool = False) -> None:
+        """Give back a slot whose group failed or was dropped. `requeue` hands its prompt out again (a
+        failed generation); `filtered` (dynamic sampling dropped the group: no signal) has it accounted
+        for in the trainer's record with the next batch, never sampled again this epoch. `expired`: the
+        group's version expired mid-generation (aborted: it would have been dropped as stale), counted
+        in `expired_groups`."""
         async with self._cond:
-            if worker_id is not None and not self._pop_slot(worker_id, epoch, prompt_id):
+            if not self._pop_slot(worker_id, epoch, prompt_id):
                 return  # already given back by reset_worker (which requeued its prompt)
             self.granted -= 1
             self.expired_groups += int(expired)
-            if self.source is not None and prompt_id is not None:
-                if requeue:
-                    self.source.requeue(epoch, prompt_id)
-                    if expired:
-                        self.requeued_stale += 1
-                    else:
-                        self.requeued_failed += 1
-                elif filtered:
-                    self._filtered.append(prompt_key(epoch, prompt_id))
-                    self.source.take(epoch, prompt_id)
-                    self.filtered_total += 1
+            if requeue:
+                self.source.requeue(epoch, prompt_id)
+                if expired:
+                    self.requeued_stale += 1
+                else:
+                    self.requeued_failed += 1
+            elif filtered:
+                self._filtered.append(prompt_key(epoch, prompt_id))
+                self.source.take(epoch, prompt_id)
+                self.filtered_total += 1
             self._cond.notify_all()
 
-    async def put(self, group: Group, worker_id=None) -> bool:
+    async def put(self, group: Group, worker_id) -> bool:
         """Queue a scored group; False (dropped, counted in `orphan_puts`) when its slot was already
         given back by `reset_worker`."""
         async with self._cond:
-            if worker_id is not None and not self._pop_slot(worker_id, group.epoch, group.prompt_id
-                                                            if self.source is not None else None):
+            if not self._pop_slot(worker_id, group.epoch, group.prompt_id):
                 self.orphan_puts += 1
                 return False
             self._q.append(group)
@@ -151,32 +151,28 @@ class RolloutBuffer:
         the number of slots given back."""
         async with self._cond:
             slots = self._outstanding.pop(worker_id, [])
-            n = len(slots)
-            if self.source is not None:
-                for slot in slots:
-                    if slot is not None:
-                        self.source.requeue(*slot)
-                        self.requeued_reset += 1
-            self._epoch[worker_id] = self._epoch.get(worker_id, 0) + 1
-            self.granted -= n
-            self.reset_slots += n
+            for slot in slots:
+                self.source.requeue(*slot)
+            self.requeued_reset += len(slots)
+            self._incarnation[worker_id] = self._incarnation.get(worker_id, 0) + 1
+            self.granted -= len(slots)
+            self.reset_slots += len(slots)
             self._cond.notify_all()
-            return n
+            return len(slots)
 
     def _drop_stale(self) -> bool:
         """Drop groups older than the staleness floor; their slots are given back so generation
         replaces them. Returns True so it can sit inside a wait_for predicate."""
         floor = self.trainer_version - self.max_staleness
-        stale = [g for g in self._q if g.version < floor]
+        stale = [group for group in self._q if group.version < floor]
         if stale:
-            self._q = deque(g for g in self._q if g.version >= floor)
+            self._q = deque(group for group in self._q if group.version >= floor)
             self.dropped_groups += len(stale)
-            self.dropped_samples += sum(len(g.samples) for g in stale)
+            self.dropped_samples += sum(len(group.samples) for group in stale)
             self.granted -= len(stale)
-            if self.source is not None:  # dropped, never trained on: the prompts come again
-                for g in stale:
-                    self.source.requeue(g.epoch, g.prompt_id)
-                self.requeued_stale += len(stale)
+            for group in stale:  # dropped, never trained on: the prompts come again
+                self.source.requeue(group.epoch, group.prompt_id)
+            self.requeued_stale += len(stale)
         return True
 
     async def get_batch(self, trainer_version: int, n_groups: int, timeout: float = 1800.0) -> dict:
@@ -192,11 +188,10 @@ class RolloutBuffer:
             groups = [self._q.popleft() for _ in range(n_groups)]
             self.taken_groups += n_groups
             filtered, self._filtered = self._filtered, []
-            if self.source is not None:
-                for g in groups:
-                    self.source.take(g.epoch, g.prompt_id)
+            for group in groups:
+                self.source.take(group.epoch, group.prompt_id)
             self._cond.notify_all()
-        versions = [g.version for g in groups]
+        versions = [group.version for group in groups]
         return {
             "groups": groups,
             "wait_seconds": time.perf_counter() - t0,
@@ -234,33 +229,30 @@ class RolloutBuffer:
                 "taken_groups": self.taken_groups, "dropped_groups": self.dropped_groups,
                 "dropped_samples": self.dropped_samples, "trainer_version": self.trainer_version,
                 "ready_version": self.ready_version,
-                "outstanding": {str(k): len(v) for k, v in self._outstanding.items() if v},
+                "outstanding": {str(worker): len(slots) for worker, slots in self._outstanding.items() if slots},
                 "reset_slots": self.reset_slots, "orphan_puts": self.orphan_puts,
                 "expired_groups": self.expired_groups,
-                **({"prompts": {**self.source.state(), "pending": self._pending(),
-                                "requeued_failed": self.requeued_failed, "requeued_stale": self.requeued_stale,
-                                "requeued_reset": self.requeued_reset, "filtered": self.filtered_total,
-                                "rewound": self.rewound}}
-                   if self.source is not None else {})}
+                "prompts": {**self.source.state(), "pending": self._pending(),
+                            "requeued_failed": self.requeued_failed, "requeued_stale": self.requeued_stale,
+                            "requeued_reset": self.requeued_reset, "filtered": self.filtered_total,
+                            "rewound": self.rewound}}
 
     def _pending(self) -> list[str]:
         """Prompts handed out and not yet taken by the trainer: waiting to be handed out again, being
         generated, or queued as groups ("epoch:id")."""
-        keys = {prompt_key(e, p) for e, p in self.source.requeued}
-        keys |= {prompt_key(*slot) for slots in self._outstanding.values() for slot in slots if slot is not None}
-        keys |= {prompt_key(g.epoch, g.prompt_id) for g in self._q}
+        keys = {prompt_key(*requeued) for requeued in self.source.requeued}
+        keys |= {prompt_key(*slot) for slots in self._outstanding.values() for slot in slots}
+        keys |= {prompt_key(group.epoch, group.prompt_id) for group in self._q}
         return sorted(keys)
 
     async def rewind(self, consumed: dict | None) -> int:
         """The trainer restored a checkpoint (a train worker group restarted): prompts it took since,
         which that checkpoint's record does not hold, are handed out again. Returns how many."""
         async with self._cond:
-            if self.source is None:
-                return 0
-            n = self.source.rewind(consumed)
-            self.rewound += n
+            requeued = self.source.rewind(consumed)
+            self.rewound += requeued
             self._cond.notify_all()
-            return n
+            return requeued
 
     async def request_stop(self) -> None:
         """Ctrl-C in the driver: the trainer checkpoints after its current step and ends."""

@@ -124,6 +124,22 @@ def generation_idle(rows: list[dict], workers: int | None) -> list[tuple[float, 
     return out
 
 
+def idle_fractions(rows: list[dict], workers: int) -> dict:
+    """Over the run, for summary.json: trainer idle = time waiting for a batch / step time; generation
+    idle = 1 - time the rollout workers spent generating / (workers x wall time). Both over steps 2..
+    (step 1 waits for warm-up)."""
+    steady = rows[1:] if len(rows) > 1 else rows
+    if not steady:
+        return {"trainer_idle_fraction": None, "generation_idle_fraction": None}
+    wall = steady[-1]["time"] - rows[0]["time"] if len(rows) > 1 else steady[0].get("step_seconds", 0.0)
+    gen_busy = sum(r.get("gen_seconds_sum", 0.0) for r in steady)
+    return {
+        "trainer_idle_fraction": sum(r.get("batch_wait_seconds", 0.0) for r in steady)
+        / max(1e-9, sum(r.get("step_seconds", 0.0) for r in steady)),
+        "generation_idle_fraction": max(0.0, 1.0 - gen_busy / max(1e-9, workers * wall)),
+    }
+
+
 def _panels(rows: list[dict], workers: int | None) -> list[tuple[str, str, list[tuple[str, list, str]]]]:
     """(title, y label, [(label, points, style)]) for every panel that has data."""
     def s(key, style="-"):

@@ -1,5 +1,5 @@
-"""Rollout workers: prompts -> G completions through the router -> rewards -> group advantages ->
-groups tagged with the policy version -> the rollout buffer.
+"""Rollout workers: prompts -> G completions through the Serve app's ingress -> rewards -> group
+advantages -> groups tagged with the policy version -> the rollout buffer.
 
 Every group is sampled under one version, chosen when it starts (the newest live one) and pinned for
 all G requests, so a rollout finishes under the version it started with even if newer ones go live.
@@ -9,29 +9,40 @@ penalty when grpo.dapo_overlong_buffer > 0. With grpo.dynamic_sampling, a group 
 (zero advantages: no learning signal) is not put in the buffer: its slot is released, so a new group is
 sampled in its place, and it is counted (`filtered_groups`, RunMetrics.log_filtered_group).
 
-Faults: a replica lost mid-group is retried by the router ingress, sample by sample, under the pinned
-version. If the call still fails with a lost-actor error (the ingress itself died, or the router ran out
-of retries), the whole group is retried through a fresh app handle (bounded, with backoff); when that
-fails too, the slot goes back to the buffer and the prompt is sampled again later. Retries are counted
-(`rollout_retries`, `rollout_failed_groups` on the metrics rows); a worker never dies of a lost replica.
+Prompts: the buffer is the one prompt source. Each slot comes with its prompt and data epoch
+(`RolloutBuffer.acquire` -> `Grant`), and a group that fails goes back to the buffer with its prompt
+(`release(..., requeue=True)`), to be handed out again to any worker: the data cursor is the buffer's,
+and survives worker restarts and resumes (common/data_cursor.py).
+
+Faults (docs/ARCHITECTURE.md, "Faults"; the policy is common/faults.py): a replica lost mid-group is
+retried by the ingress, sample by sample, under the pinned version. If the call still fails because
+something was lost (the ingress itself died, or it ran out of sample retries), the whole group is
+retried through a fresh app handle (`ROLLOUT_GROUP`); when that fails too, the slot goes back to the
+buffer and the prompt is sampled again later. Retries are counted (`rollout_retries`,
+`rollout_failed_groups` on the metrics rows); a worker never dies of a lost replica.
 Workers are restartable actors (`start_workers`): a restarted worker first calls the buffer's
 `reset_worker`, which gives back the slots its previous incarnation held, so they are granted again.
-
-Prompts: when the buffer holds the data (the driver's runs), each slot comes with its prompt and data
-epoch (`acquire` -> `{"epoch", "row"}`), and a group that fails goes back to the buffer with its prompt
-(`release(..., requeue=True)`), to be handed out again to any worker: the data cursor is the buffer's,
-and survives worker restarts and resumes (common/data_cursor.py). Without it (tests' fake buffers) each
-worker walks its own stride of the data, as before.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import ray
 
 from common.config import Config, from_dict
+from common.faults import ROLLOUT_GROUP, is_lost, short_error
+from common.names import BUFFER_NAME, METRICS_NAME, REGISTRY_NAME
+from common.ray_utils import named_actor
 from common.types import Group, Sample
+
+logger = logging.getLogger("app.rollout_worker")
+
+WORKER_MAX_RESTARTS = 3
+# A slot whose group failed beyond ROLLOUT_GROUP's retries waits this long before its next group: a
+# service that is down is not hammered (the driver's stall watch ends a run whose service never returns).
+FAILED_GROUP_PAUSE_S = 4.0
 
 
 @ray.remote(num_cpus=0)
@@ -41,77 +52,73 @@ def _reward_task(dotted: str, completion: str, row: dict, finish_reason: str | N
     return load_scorer(dotted)(completion, row, finish_reason)
 
 
-GROUP_RETRY_ATTEMPTS = 4  # whole-group attempts through a fresh handle when the ingress is lost
-GROUP_RETRY_BACKOFF_S = 1.0  # doubled per attempt, capped at 8 s
-GROUP_RETRY_DEADLINE_S = 300.0
-WORKER_MAX_RESTARTS = 3
-
-
-def _expired(e: BaseException) -> bool:
+def _expired(error: BaseException | None) -> bool:
     """The group's version expired while it was generated (serve_deployments.replica.VersionExpiredError):
-    its samples would be dropped as stale, so the group is given up, not retried under that version."""
+    its samples would be dropped as stale, so the group is given up, not retried under that version.
+    Ray wraps a remote error in a RayTaskError subclass named after it, so the name is checked too."""
     from serve_deployments.replica import VersionExpiredError
 
-    while e is not None:
-        if isinstance(e, VersionExpiredError) or "VersionExpiredError" in type(e).__name__:
+    while error is not None:
+        if isinstance(error, VersionExpiredError) or "VersionExpiredError" in type(error).__name__:
             return True
-        e = getattr(e, "cause", None) or e.__cause__
+        error = getattr(error, "cause", None) or error.__cause__
     return False
-
-
-def _lost(e: BaseException) -> bool:
-    """A lost replica / ingress (actor death, unavailable replica), as opposed to an error raised on purpose."""
-    from serve_deployments.ingress import _replica_lost
-
-    return _replica_lost(e)
 
 
 @ray.remote(num_cpus=0)
 class RolloutWorker:
-    def __init__(self, cfg: dict, worker_id: int, rows: list[dict], buffer, metrics=None):
+    def __init__(self, cfg: dict, worker_id: int, buffer_name: str | None = BUFFER_NAME,
+                 metrics_name: str | None = METRICS_NAME):
+        """`cfg`: Config.to_dict(). The run's RolloutBuffer (slots and prompts) and RunMetrics actors are
+        found by name: a handle among the arguments would pin an object in the object store that a
+        restart depends on (`start_workers`). None, or no Ray: no such actor."""
         from transformers import AutoTokenizer
 
-        from app.data import Cursor, PromptStream
         from app.rewards import load_scorer
 
         self.cfg: Config = from_dict(cfg)
         self.worker_id = worker_id
-        self.buffer, self.metrics = buffer, metrics
+        self.buffer, self.metrics = named_actor(buffer_name), named_actor(metrics_name)
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
         self.scorer = load_scorer(self.cfg.reward.fn)
-        d = self.cfg.data
-        # Workers take disjoint strides of one seeded order, so no prompt is sampled twice per epoch.
-        self.stream = PromptStream(rows[worker_id::self.cfg.rollout.workers], d.shuffle_seed + worker_id, d.epochs,
-                                   Cursor())
-        self._stop = False
         self.groups_done = 0
         self.filtered_groups = 0  # dynamic sampling: groups dropped for all-equal rewards
         self.rollout_retries = 0  # whole-group retries after a lost ingress / replica
         self.failed_groups = 0  # groups given up after those retries (their prompts come again)
-        self._router = None
-        self._retry_rows: list[dict] = []  # prompts whose group failed: sampled again first
+        self.version_mismatches = 0  # completions whose adapter digest was not the published one
+        self._ingress = None  # DeploymentHandle of the app's ingress, taken when first needed
+        self._published_sha: dict[int, str | None] = {}  # version -> the registry's digest of it
+        self._mismatches_reported = False
         self._started = False
 
-    def _router_handle(self):
-        if self._router is None:
+    def _ingress_handle(self):
+        if self._ingress is None:
             from ray import serve
 
-            self._router = serve.get_app_handle(self.cfg.rollout.app_name)
-        return self._router
+            self._ingress = serve.get_app_handle(self.cfg.rollout.app_name)
+        return self._ingress
+
+    def _count(self, key: str, n: int) -> None:
+        if self.metrics is not None:
+            self.metrics.add_count.remote(key, n)
+
+    # ------------------------------------------------------------------ one group
 
     async def _score(self, comps: list[dict], row: dict) -> list[float]:
         """Task rewards plus the overlong penalty, one per completion."""
         from app.rewards import overlong_penalty
 
         if self.cfg.reward.where == "task":
-            refs = [_reward_task.remote(self.cfg.reward.fn, c["text"], row, c.get("finish_reason")) for c in comps]
-            rewards = [float(r) for r in await asyncio.gather(*refs)]
+            refs = [_reward_task.remote(self.cfg.reward.fn, comp["text"], row, comp.get("finish_reason"))
+                    for comp in comps]
+            rewards = [float(reward) for reward in await asyncio.gather(*refs)]
         else:
-            rewards = [self.scorer(c["text"], row, c.get("finish_reason")) for c in comps]
-        g = self.cfg.grpo
-        if g.dapo_overlong_buffer > 0:
-            rewards = [r + overlong_penalty(len(c["token_ids"]), g.max_new_tokens, g.dapo_overlong_buffer,
-                                            g.dapo_overlong_penalty) for r, c in zip(rewards, comps)]
+            rewards = [self.scorer(comp["text"], row, comp.get("finish_reason")) for comp in comps]
+        grpo = self.cfg.grpo
+        if grpo.dapo_overlong_buffer > 0:
+            rewards = [reward + overlong_penalty(len(comp["token_ids"]), grpo.max_new_tokens,
+                                                 grpo.dapo_overlong_buffer, grpo.dapo_overlong_penalty)
+                       for reward, comp in zip(rewards, comps)]
         return rewards
 
     async def rollout_one(self, row: dict) -> Group:
@@ -120,95 +127,93 @@ class RolloutWorker:
         from app.data import render_prompt
         from train_loops.grpo import group_advantages
 
-        g = self.cfg.grpo
+        grpo = self.cfg.grpo
         prompt_ids = render_prompt(row, self.tokenizer, self.cfg.data)
-        sampling = {"max_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p, "logprobs": True}
-        if g.ignore_eos:
+        sampling = {"max_tokens": grpo.max_new_tokens, "temperature": grpo.temperature, "top_p": grpo.top_p,
+                    "logprobs": True}
+        if grpo.ignore_eos:
             sampling["ignore_eos"] = True
         t0 = time.perf_counter()
-        comps = await self._generate_group(prompt_ids, g.group_size, sampling)
+        comps = await self._generate_group(prompt_ids, grpo.group_size, sampling)
         gen_s = time.perf_counter() - t0
-        versions = {c["version"] for c in comps}
-        if len(versions) != 1:  # the router pins one version per group; anything else is a bug upstream
+        versions = {comp["version"] for comp in comps}
+        if len(versions) != 1:  # the ingress pins one version per group; anything else is a bug upstream
             raise RuntimeError(f"group sampled under several versions {sorted(versions)}")
         await self._check_served(comps)
         rewards = await self._score(comps, row)
-        adv = group_advantages(torch.tensor([rewards]), scale_by_std=self.cfg.scale_advantages)[0].tolist()
+        advantages = group_advantages(torch.tensor([rewards]), scale_by_std=self.cfg.scale_advantages)[0].tolist()
         version = versions.pop()
-        samples = [Sample(prompt_ids=list(prompt_ids), completion_ids=list(c["token_ids"]),
-                          behaviour_logprobs=list(c["logprobs"]), reward=r, advantage=a, version=version,
-                          prompt_id=row["id"], group_id=f"{self.worker_id}-{self.groups_done}")
-                   for c, r, a in zip(comps, rewards, adv)]
+        samples = [Sample(prompt_ids=list(prompt_ids), completion_ids=list(comp["token_ids"]),
+                          behaviour_logprobs=list(comp["logprobs"]), reward=reward, advantage=advantage,
+                          version=version, prompt_id=row["id"], group_id=f"{self.worker_id}-{self.groups_done}")
+                   for comp, reward, advantage in zip(comps, rewards, advantages)]
         return Group(samples=samples, version=version, prompt_id=row["id"], gen_seconds=gen_s,
-                     gen_tokens=sum(len(c["token_ids"]) for c in comps))
+                     gen_tokens=sum(len(comp["token_ids"]) for comp in comps))
 
     async def _generate_group(self, prompt_ids: list[int], n: int, sampling: dict) -> list[dict]:
-        """The router's generate_group; on a lost ingress (or a replica loss the router could not absorb)
-        the whole group again through a fresh app handle, bounded. The group's version is whatever the
-        router pins for the attempt that succeeds: no sample of a failed attempt is kept."""
-        import logging
+        """The ingress's generate_group; a call that lost its ingress (or a replica the ingress could
+        not replace) is retried whole through a fresh app handle (ROLLOUT_GROUP). The group's version
+        is whatever the ingress pins for the attempt that succeeds: no sample of a failed attempt is kept."""
 
-        deadline = time.monotonic() + GROUP_RETRY_DEADLINE_S
-        for attempt in range(GROUP_RETRY_ATTEMPTS):
-            try:
-                return await self._router_handle().generate_group.remote(prompt_ids, n, None, sampling,
-                                                                         drop_if_expired=True)
-            except Exception as e:
-                left = deadline - time.monotonic()
-                if not _lost(e) or attempt == GROUP_RETRY_ATTEMPTS - 1 or left <= 0:
-                    raise
-                self._router = None  # a fresh handle next time
-                self.rollout_retries = getattr(self, "rollout_retries", 0) + 1
-                self._count("rollout_retries", 1)
-                logging.getLogger("app.rollout_worker").warning(
-                    "worker %s: generate_group lost its replica/ingress (%s: %s); retry %d of %d",
-                    self.worker_id, type(e).__name__, (str(e).strip().splitlines() or [""])[-1][:200],
-                    attempt + 1, GROUP_RETRY_ATTEMPTS - 1)
-                await asyncio.sleep(min(GROUP_RETRY_BACKOFF_S * 2 ** attempt, 8.0, left))
-        raise AssertionError("unreachable")
+        async def attempt() -> list[dict]:
+            return await self._ingress_handle().generate_group.remote(prompt_ids, n, None, sampling,
+                                                                      drop_if_expired=True)
 
-    def _count(self, key: str, n: int) -> None:
-        report = getattr(self.metrics, "add_count", None)
-        if report is not None:
-            report.remote(key, n)
+        def fresh_handle(retry: int, error: BaseException) -> None:
+            self._ingress = None
+            self.rollout_retries += 1
+            self._count("rollout_retries", 1)
+            logger.warning("worker %s: generate_group lost its replica/ingress (%s); retry %d of %d",
+                           self.worker_id, short_error(error), retry, ROLLOUT_GROUP.attempts - 1)
+
+        return await ROLLOUT_GROUP.run(attempt, on_retry=fresh_handle)
+
+    async def _published_digest(self, version: int) -> bool:
+        """Cache the registry's digest of `version` (None for the base model, version 0); False when
+        there is nothing to compare with (trimmed from the registry already, or no registry here)."""
+        if version in self._published_sha:
+            return True
+        if version == 0:
+            self._published_sha[0] = None
+            return True
+        try:
+            registry = named_actor(REGISTRY_NAME)
+            if registry is None:
+                return False
+            entry = await registry.get.remote(version)
+        except Exception:
+            return False
+        self._published_sha[version] = entry["meta"].get("sha256")
+        return True
 
     async def _check_served(self, comps: list[dict]) -> None:
         """Served-version proof: each completion's adapter digest must be the one the registry published
-        under the version it names (fetched once per version; None for the original base model).
-        Mismatches are counted (`version_mismatches` on the metrics rows, which must stay 0) and the
-        group is refused: its samples would train on a wrong behaviour policy."""
-        from common.registry import get_registry
-
-        cache = self.__dict__.setdefault("_published_sha", {})
-        first = not hasattr(self, "version_mismatches")
-        self.version_mismatches = getattr(self, "version_mismatches", 0)
+        under the version it names. Mismatches are counted (`version_mismatches` on the metrics rows,
+        which must stay 0) and the group is refused: its samples would train on a wrong behaviour policy."""
         bad = []
-        for c in comps:
-            v = int(c["version"])
-            if v not in cache:
-                try:
-                    cache[v] = (await get_registry().get.remote(v))["meta"].get("sha256") if v > 0 else None
-                except Exception:  # trimmed from the registry already (or none here): nothing to compare with
-                    continue
-            if c.get("sha256") != cache[v]:
-                bad.append((v, c.get("replica_id"), c.get("sha256")))
+        for comp in comps:
+            version = int(comp["version"])
+            if not await self._published_digest(version):
+                continue
+            if comp.get("sha256") != self._published_sha[version]:
+                bad.append((version, comp.get("replica_id"), comp.get("sha256")))
         self.version_mismatches += len(bad)
-        report = getattr(self.metrics, "add_count", None)
-        if report is not None and (bad or first):
-            report.remote("version_mismatches", len(bad))  # the first call makes the 0 visible
+        if bad or not self._mismatches_reported:  # the first report makes the 0 visible
+            self._count("version_mismatches", len(bad))
+            self._mismatches_reported = True
         if bad:
-            v, rid, sha = bad[0]
-            raise RuntimeError(f"served-version mismatch on {len(bad)} of {len(comps)} samples: replica {rid} "
-                               f"answered policy-v{v} with sha256 {str(sha)[:12]}, the registry published "
-                               f"{str(cache.get(v))[:12]}")
+            version, replica, sha = bad[0]
+            raise RuntimeError(f"served-version mismatch on {len(bad)} of {len(comps)} samples: replica {replica} "
+                               f"answered policy-v{version} with sha256 {str(sha)[:12]}, the registry published "
+                               f"{str(self._published_sha[version])[:12]}")
+
+    # ------------------------------------------------------------------ the loops
 
     async def run(self) -> int:
-        """`rollout.groups_per_worker` concurrent loops until stopped or the data runs out; returns the
-        number of groups produced. Concurrency inside one actor (asyncio) keeps enough groups in flight
-        to fill the engines' batches without an actor per group."""
-        import asyncio
-
-        if self._tracked() and not getattr(self, "_started", False):
+        """`rollout.groups_per_worker` concurrent loops until the buffer grants no more slots (closed, or
+        the data ran out); returns the number of groups produced. Concurrency inside one actor (asyncio)
+        keeps enough groups in flight to fill the engines' batches without an actor per group."""
+        if not self._started:
             # First thing of every incarnation: slots a previous (dead) one held are granted again.
             self._started = True
             await self.buffer.reset_worker.remote(self.worker_id)
@@ -216,97 +221,58 @@ class RolloutWorker:
         await asyncio.gather(*(self._loop() for _ in range(self.cfg.rollout.groups_per_worker)))
         return self.groups_done
 
-    def _tracked(self) -> bool:
-        """Whether the buffer tracks slots per worker (the RolloutBuffer actor does)."""
-        try:
-            return hasattr(self.buffer, "reset_worker")
-        except Exception:
-            return False
-
-    def _slot_kw(self) -> dict:
-        return {"worker_id": self.worker_id} if self._tracked() else {}
-
-    def _next_row(self) -> dict:
-        retry = self.__dict__.setdefault("_retry_rows", [])
-        return retry.pop(0) if retry else next(self.stream)
-
     async def _loop(self) -> None:
-        kw = self._slot_kw()
-        while not self._stop:
-            grant = await self.buffer.acquire.remote(**kw)
-            if not grant:
-                break  # buffer closed (training is over) or, when it hands out prompts, the data ran out
-            if isinstance(grant, dict):  # the buffer is the prompt source (common/data_cursor.py)
-                row, epoch = grant["row"], int(grant["epoch"])
-                pkw = {**kw, "epoch": epoch, "prompt_id": str(row["id"])}
-            else:
-                try:
-                    row = self._next_row()
-                except StopIteration:
-                    await self.buffer.release.remote(**kw)
-                    break
-                epoch, pkw = getattr(getattr(self.stream, "cursor", None), "epoch", 0), None
+        while True:
+            grant = await self.buffer.acquire.remote(self.worker_id)
+            if grant is None:
+                return  # the buffer closed (training is over) or handed out every epoch of the data
+            row, epoch = grant["row"], int(grant["epoch"])
+            slot = {"worker_id": self.worker_id, "epoch": epoch, "prompt_id": str(row["id"])}
             try:
                 group = await self.rollout_one(row)
-                group.epoch = epoch
-            except Exception as e:
-                if _expired(e):
+            except Exception as error:
+                if _expired(error):
                     # Too stale to train on before it finished: the slot makes a fresh group under the
                     # newest version right away, and the prompt is handed out again.
-                    if pkw is not None:
-                        await self.buffer.release.remote(**pkw, requeue=True, expired=True)
-                    else:
-                        self._retry_rows.append(row)
-                        await self.buffer.release.remote(**kw, expired=True)
+                    await self.buffer.release.remote(**slot, requeue=True, expired=True)
                     self._count("rollout_expired_groups", 1)
                     continue
-                if pkw is not None:  # the buffer hands the prompt out again (to any worker)
-                    await self.buffer.release.remote(**pkw, requeue=_lost(e))
-                else:
-                    await self.buffer.release.remote(**kw)
-                if not _lost(e):
+                lost = is_lost(error)
+                await self.buffer.release.remote(**slot, requeue=lost)  # handed out again, to any worker
+                if not lost:
                     raise
-                # The service lost replicas/ingress beyond the retries: the slot is given back and the
-                # prompt sampled again later; the worker carries on (the driver's stall watch ends a
-                # run whose service never comes back).
-                import logging
-
-                if pkw is None:
-                    self._retry_rows.append(row)
-                self.failed_groups = getattr(self, "failed_groups", 0) + 1
+                # The service lost replicas/ingress beyond the retries: the worker carries on.
+                self.failed_groups += 1
                 self._count("rollout_failed_groups", 1)
-                logging.getLogger("app.rollout_worker").warning(
-                    "worker %s: group for prompt %s failed after retries (%s); slot released, prompt requeued",
-                    self.worker_id, row.get("id"), type(e).__name__)
-                await asyncio.sleep(GROUP_RETRY_BACKOFF_S * 4)
+                logger.warning("worker %s: group for prompt %s failed after retries (%s); slot released, "
+                               "prompt requeued", self.worker_id, row.get("id"), short_error(error))
+                await asyncio.sleep(FAILED_GROUP_PAUSE_S)
                 continue
+            group.epoch = epoch
             if self.cfg.grpo.dynamic_sampling and len(set(group.rewards)) == 1:
                 # DAPO dynamic sampling: no learning signal; the freed slot makes a new group in its place
                 # (the prompt counts as used: the trainer's record gets it with the next batch)
-                await self.buffer.release.remote(**(pkw or kw), **({"filtered": True} if pkw else {}))
+                await self.buffer.release.remote(**slot, filtered=True)
                 self.filtered_groups += 1
                 if self.metrics is not None:
                     self.metrics.log_filtered_group.remote(group.gen_tokens, group.gen_seconds)
                 continue
-            await self.buffer.put.remote(group, **kw)
+            await self.buffer.put.remote(group, self.worker_id)
             self.groups_done += 1
             if self.metrics is not None:
                 self.metrics.log_rollout.remote(group.gen_tokens, group.gen_seconds,
                                                 sum(group.rewards) / len(group.samples))
 
-    def stop(self) -> None:
-        self._stop = True
 
-    def cursor(self) -> dict:
-        return {"epoch": self.stream.cursor.epoch, "index": self.stream.cursor.index}
-
-
-def start_workers(cfg: Config, rows: list[dict], buffer, metrics=None) -> list:
-    """The run's rollout workers as restartable actors: a worker killed mid-run (OOM, node loss) is
-    restarted by Ray (`max_restarts`), its `run` call retried on the new incarnation
+def start_workers(cfg: Config) -> list:
+    """The run's rollout workers as restartable actors, sampling for the run's RolloutBuffer and
+    reporting to its RunMetrics (the named actors the driver started): a worker killed mid-run (OOM,
+    node loss) is restarted by Ray (`max_restarts`), its `run` call retried on the new incarnation
     (`max_task_retries`), and the new incarnation gives its predecessor's slots back to the buffer
     (`reset_worker`) before sampling, so they are granted again. The driver calls `w.run.remote()` on
-    each, as before; `ray.kill` (no_restart) still ends them at teardown."""
+    each; `ray.kill` (no_restart) still ends them at teardown. A restart rebuilds a worker from its
+    constructor arguments, so they are plain values Ray keeps inline (the config, the worker id): no
+    actor handle, whose serialized form refers to an object in the object store."""
     return [RolloutWorker.options(max_restarts=WORKER_MAX_RESTARTS, max_task_retries=-1).remote(
-                cfg.to_dict(), i, rows, buffer, metrics)
-            for i in range(cfg.rollout.workers)]
+                cfg.to_dict(), worker_id)
+            for worker_id in range(cfg.rollout.workers)]

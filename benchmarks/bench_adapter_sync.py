@@ -1,4 +1,4 @@
-"""Adapter sync latency and bytes (DESIGN.md section 2, adapter publish), two parts in one run.
+"""Adapter sync latency and bytes (docs/ARCHITECTURE.md, "Path of a sample", step 7), two parts in one run.
 
 (a) Full path, tiny model: the real Serve app (serve_deployments.app_builder.start_service: Router
     ingress + R RolloutReplicas, each with a vLLM engine) and a real AdapterRegistry attached. Timed
@@ -321,7 +321,7 @@ def transport(args, tmp: Path) -> dict:
         TRANSPORT_REGISTRY, NAMESPACE, str(model_dir), max(args.ranks), 2, args.merged_layers))
     t0 = time.perf_counter()
     handle = serve.run(app, name=TRANSPORT_APP, route_prefix=None)
-    ray.get(registry.attach_router.remote(TRANSPORT_APP))
+    ray.get(registry.attach_ingress.remote(TRANSPORT_APP))
     out = {"replicas": args.transport_replicas, "model": "Qwen2.5-1.5B shape (synthetic bf16)", "config": QWEN15B,
            "start_s": time.perf_counter() - t0, "full_merged_nbytes": full_bytes, "payloads": {}}
     print(f"  transport app up ({args.transport_replicas} sink replicas) in {out['start_s']:.1f}s", flush=True)

@@ -1,4 +1,4 @@
-"""Reliability (issue 10): faults injected from outside into real runs on CPU, and what survived.
+"""Reliability: faults injected from outside into real runs on CPU, and what survived.
 
     python -m app bench reliability            # ~6-10 min on the 2-core machine
     python -m app bench reliability --quick    # fewer steps (smoke)
@@ -351,7 +351,7 @@ def _end_group(p: subprocess.Popen) -> None:
 
 
 def driver_kill_and_resume(work: Path, model: Path, steps: int, prompts: int, sets: list[str]) -> dict:
-    from app.driver import find_checkpoint
+    from app.resume import find_checkpoint
 
     run_dir = work / "resume"
     per_step = 4

@@ -1,5 +1,5 @@
 """Routing quality and its payoff on real vLLM replicas: prefix-aware vs plain longest-match vs round
-robin vs Serve's built-in router, on a GRPO workload (DESIGN.md section 2, "Routing").
+robin vs Serve's built-in router, on a GRPO workload (docs/ARCHITECTURE.md, "Serving").
 
 Each policy runs on a freshly started service (serve_deployments.app_builder.start_service: Router
 ingress + R RolloutReplicas with vLLM engines, tiny model; caches cold; the app is deleted between

@@ -117,19 +117,22 @@ def _run_trainer(args, work: Path, model: Path, sets: list[str], profile: bool) 
         "lora": {"rank": w["lora_rank"], "alpha": 2.0 * w["lora_rank"], "target_modules": w["target_modules"]},
         "grpo": {"group_size": w["group_size"], "prompts_per_step": w["prompts_per_step"],
                  "max_new_tokens": w["new_tokens"], "lr": 1e-4},
-        "train": {"num_workers": 1, "use_gpu": gpu, "zero_stage": 2, "total_steps": args.trainer_steps},
+        "train": {"num_workers": 1, "use_gpu": gpu, "zero_stage": 2, "total_steps": args.trainer_steps,
+                  "profile_step": args.trainer_steps - 1 if profile else None},
         "rollout": {"max_lora_rank": w["lora_rank"]},
         "checkpoint": {"every": 0},
+        "run": {"out_dir": str(work), "name": dump.name},  # RUN_DIR (profile.txt) is the dump directory
     }
     from common.config import apply_overrides
 
     apply_overrides(config, sets)  # the CLI's own --set (from_dict turns YAML's on/off back into words)
-    loop_cfg = {"config": config, "batch_source": "synthetic", "runner": "torchrun",
-                "checkpoint_dir": str(work / "ck"), "dump_dir": str(dump),
-                "profile_step": args.trainer_steps - 1 if profile else None,
-                "synthetic": {"prompt_len": w["prompt_tokens"], "completion_len": w["new_tokens"]}}
+    from train_loops.worker import WorkerOptions, loop_config
+
+    options = WorkerOptions(runner="torchrun", batch_source="synthetic", checkpoint_dir=str(work / "ck"),
+                            record_dir=str(dump), synthetic_prompt_len=w["prompt_tokens"],
+                            synthetic_completion_len=w["new_tokens"])
     work.mkdir(parents=True, exist_ok=True)
-    (work / "loop.json").write_text(json.dumps(loop_cfg))
+    (work / "loop.json").write_text(json.dumps(loop_config(config, options)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_port()}",
            "-m", "train_loops.worker", str(work / "loop.json")]
     t0 = time.time()
@@ -140,7 +143,7 @@ def _run_trainer(args, work: Path, model: Path, sets: list[str], profile: bool) 
         res["trainer_error"] = proc.stderr[-2000:]
         return res, dump
     rows = [json.loads(x) for x in (dump / "steps.jsonl").read_text().splitlines()]
-    steady = [r for r in rows[1:] if r["step"] != loop_cfg["profile_step"]] or rows
+    steady = [r for r in rows[1:] if r["step"] != config["train"]["profile_step"]] or rows
     res.update({"trainer_tokens_per_s": _p50([r["train_tokens_per_s"] for r in steady]),
                 "trainer_learn_s_p50": _p50([r["learn_seconds"] for r in steady]),
                 "trainer_micro_batches": rows[-1].get("micro_batches"),

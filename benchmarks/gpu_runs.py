@@ -1,4 +1,4 @@
-"""The GPU runs of issue 8, each a real `app train` run (driver, Ray, Serve, vLLM, DeepSpeed) on a local
+"""The GPU runs, each a real `app train` run (driver, Ray, Serve, vLLM, DeepSpeed) on a local
 Ray cluster limited to the run's GPU count:
 
     python benchmarks/gpu_runs.py small-1x   # recipes/gpu-1x.yaml: the small model learns on one GPU (z > 3)

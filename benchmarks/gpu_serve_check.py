@@ -47,7 +47,7 @@ def peft_logprobs(model_dir: str, adapter: str | None, prompts: list[list[int]],
 
 
 # bf16 tolerance for served vs PEFT logprobs of the same weights: the mean as tight as the trainer/vLLM
-# step-1 bound (issue 8: <= 0.02); single tokens may differ more (bf16 keeps ~3 significant digits of
+# step-1 bound (the goal: <= 0.02); single tokens may differ more (bf16 keeps ~3 significant digits of
 # logits around 10-20, and the two stacks sum in different orders).
 BF16_TOLERANCE = {"mean": 0.02, "max": 0.25}
 

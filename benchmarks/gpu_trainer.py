@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from app.tiny_model import build_tiny_model
+    from train_loops.worker import WorkerOptions, loop_config
 
     work = Path(tempfile.mkdtemp(prefix="gpu-trainer-"))
     t0 = time.time()
@@ -53,22 +54,20 @@ def main(argv=None) -> int:
     results = []
     for zero in args.zero:
         dump = work / f"z{zero}"
-        loop_cfg = {
-            "config": {
-                "model": {"path": str(model), "build_tiny": False, "dtype": "bfloat16", "max_model_len": 2048},
-                "lora": {"rank": args.rank, "alpha": 2.0 * args.rank, "target_modules": "all-linear"},
-                "grpo": {"group_size": 8, "prompts_per_step": 2 * args.nproc, "max_new_tokens": args.new_tokens,
-                         "lr": 1e-4},
-                "train": {"num_workers": args.nproc, "use_gpu": True, "zero_stage": zero, "total_steps": args.steps,
-                          "gradient_checkpointing": True, "logprob_chunk": 2048},
-                "rollout": {"max_lora_rank": max(8, args.rank) if args.rank > 1 else 1},
-                "checkpoint": {"every": 0},
-            },
-            "batch_source": "synthetic", "runner": "torchrun", "checkpoint_dir": str(work / f"ck{zero}"),
-            "dump_dir": str(dump),
+        config = {
+            "model": {"path": str(model), "build_tiny": False, "dtype": "bfloat16", "max_model_len": 2048},
+            "lora": {"rank": args.rank, "alpha": 2.0 * args.rank, "target_modules": "all-linear"},
+            "grpo": {"group_size": 8, "prompts_per_step": 2 * args.nproc, "max_new_tokens": args.new_tokens,
+                     "lr": 1e-4},
+            "train": {"num_workers": args.nproc, "use_gpu": True, "zero_stage": zero, "total_steps": args.steps,
+                      "gradient_checkpointing": True, "logprob_chunk": 2048},
+            "rollout": {"max_lora_rank": max(8, args.rank) if args.rank > 1 else 1},
+            "checkpoint": {"every": 0},
         }
+        options = WorkerOptions(runner="torchrun", batch_source="synthetic", checkpoint_dir=str(work / f"ck{zero}"),
+                                record_dir=str(dump))
         cfg_file = work / f"loop_z{zero}.json"
-        cfg_file.write_text(json.dumps(loop_cfg))
+        cfg_file.write_text(json.dumps(loop_config(config, options)))
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
                f"--master_port={_port()}", "-m", "train_loops.worker", str(cfg_file)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),

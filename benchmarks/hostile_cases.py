@@ -1,4 +1,4 @@
-"""The hostile REST cases (issue 10, item 4), shared by tests/test_hostile_rest.py and
+"""The hostile REST cases , shared by tests/test_hostile_rest.py and
 benchmarks/bench_reliability.py: (name, method, path, request kwargs for httpx) with the status a case
 must get where the spec fixes one (EXPECTED; every other case: any 4xx, never a 5xx or a hang).
 

@@ -1,11 +1,14 @@
 """The one typed config: dataclasses whose fields carry their help text, loaded from YAML plus
-`--set key=value` overrides, validated in one place (`validate`), every broken rule one message that
-names its key. `python -m app train --help` prints `describe()`."""
+`--set key=value` overrides. Each section states its own rules beside its fields (`problems()`), the rules
+that tie sections together are `_cross_section_problems`, and `validate` collects them all: every broken rule
+is one message that names its key. Every field with a fixed set of values is a `Literal`, which is what the
+validator accepts and what `python -m app train --help` (`describe()`) prints."""
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import json
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,36 +16,35 @@ from typing import Any, Literal
 
 import yaml
 
-# vLLM accepts only these LoRA ranks as `max_lora_rank` (vllm/config/lora.py MaxLoRARanks).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-# grpo.loss: the policy losses train_loops/losses.py registers (it checks at import that its registry holds
-# exactly these names), each with the line `train --help` shows.
-POLICY_LOSSES = {
-    "grpo": "PPO-clipped surrogate per token against the vLLM behaviour logprobs (clip_eps_low/high, "
-            "tis_cap, loss_agg)",
-    "dr_grpo": "Dr. GRPO: the grpo surrogate, advantages not divided by the group std, each sequence's token sum "
-               "divided by the constant dr_grpo_norm_len (not by its length)",
-    "gspo": "Qwen GSPO: sequence ratio exp(mean token log-ratio), clipped per sequence at "
-            "gspo_clip_eps_low/high, token-level gradient (GSPO-token), mean over sequences",
-    "cispo": "MiniMax-M1 CISPO: REINFORCE weighted by the detached clipped IS ratio "
-             "clip(r, 1-cispo_eps_low, 1+cispo_eps_high); no token is dropped (loss_agg)",
-    "dapo": "DAPO: the surrogate with clip-higher (dapo_clip_eps_low/high), token mean over the whole step; full "
-            "DAPO adds dynamic_sampling=true and dapo_overlong_buffer > 0",
-}
-LOSS_NAMES = tuple(POLICY_LOSSES)
-# grpo.loss_agg: how grpo and cispo reduce per-token losses over a step. The Literal is the one definition:
-# the validator checks values against it (`_matches`), `train --help` prints it, the losses import LOSS_AGGS.
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-LOSS_AGGS: tuple[str, ...] = typing.get_args(LossAgg)
+from common.loss_names import POLICY_LOSSES, PolicyLossName
 
 # model.dtype; `auto` is resolved by `resolve_dtype` (the only place that decides it).
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-
+# model.tiny_shape: the shapes app/tiny_model.SHAPES builds (tests/test_config.py ties the two).
+TinyShape = Literal["tiny", "small", "qwen2.5-1.5b"]
+BadRowPolicy = Literal["error", "skip"]
+RewardPlace = Literal["worker", "task"]
+# grpo.loss_agg: how grpo and cispo reduce per-token losses over a step; train_loops/losses.py imports LOSS_AGGS.
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+LOSS_AGGS: tuple[str, ...] = typing.get_args(LossAgg)
+LigerMode = Literal["auto", "on", "off"]
+ZeroStage = Literal[0, 1, 2, 3]
+# rollout.max_lora_rank: the ranks vLLM accepts (vllm/config/lora.py MaxLoRARanks).
+LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+VLLM_LORA_RANKS: tuple[int, ...] = typing.get_args(LoraRank)
 # router.policy: prefix affinity or round robin (serve_deployments/request_router.RoutingPolicy), or Serve's own
-# router. The one definition: the validator checks it, request_router imports ROUTING_POLICIES.
+# router; request_router imports ROUTING_POLICIES.
 RouterPolicy = Literal["prefix", "round_robin", "serve_default"]
 ROUTING_POLICIES: tuple[str, ...] = typing.get_args(RouterPolicy)
+SyncMode = Literal["adapter", "merge"]
+RunMode = Literal["async", "sync"]
+# run.loggers entries -> (modules, any one of which will do; the pip extra that installs them). See app/loggers.py.
+LoggerName = Literal["jsonl", "tensorboard", "mlflow", "wandb"]
+LOGGER_PACKAGES: dict[LoggerName, tuple[tuple[str, ...], str]] = {
+    "jsonl": ((), ""), "tensorboard": (("tensorboard", "tensorboardX"), "tracking"),
+    "mlflow": (("mlflow",), "tracking"), "wandb": (("wandb",), "wandb")}
+if tuple(LOGGER_PACKAGES) != typing.get_args(LoggerName):
+    raise RuntimeError(f"LOGGER_PACKAGES covers {tuple(LOGGER_PACKAGES)}, LoggerName is {typing.get_args(LoggerName)}")
 
 
 def resolve_dtype(dtype: str, use_gpu: bool) -> str:
@@ -52,212 +54,385 @@ def resolve_dtype(dtype: str, use_gpu: bool) -> str:
         return dtype
     return "bfloat16" if use_gpu else "float32"
 
-# run.loggers -> (modules, any one of which will do; the pip extra that installs them). See app/loggers.py.
-LOGGER_PACKAGES = {"jsonl": ((), ""), "tensorboard": (("tensorboard", "tensorboardX"), "tracking"),
-                   "mlflow": (("mlflow",), "tracking"), "wandb": (("wandb",), "wandb")}
 
-
-def _f(default, help: str, **kw):
+def _field(default, help: str):
+    """A dataclass field with its help text; list and dict defaults are copied per instance."""
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda value=default: json.loads(json.dumps(value)), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _words(literal, separator: str = " | ") -> str:
+    """A Literal's values as help text shows them."""
+    return separator.join(str(value) for value in typing.get_args(literal))
+
+
+def _broken(*rules: tuple[bool, str]) -> list[str]:
+    """The messages of the rules (holds, message) that do not hold."""
+    return [message for holds, message in rules if not holds]
 
 
 @dataclass
 class ModelConfig:
-    path: str = _f("runs/tiny-model", "HF model directory (any causal LM vLLM and transformers load).")
-    build_tiny: bool = _f(True, "Build the embedded tiny model at `path` if the directory does not exist.")
-    tiny_seed: int = _f(0, "Seed of the embedded tiny model (weights are a pure function of it).")
-    tiny_shape: str = _f("tiny", "Shape of the embedded model built at `path`: tiny | small | qwen2.5-1.5b "
-                                 "(`python -m app tiny-model --help`).")
-    dtype: DType = _f("auto", "Weights and compute dtype of trainer and engines; auto = bfloat16 when train.use_gpu, "
-                              "else float32 (`resolve_dtype`).")
-    max_model_len: int = _f(512, "Context length for the engines and the trainer (prompt + completion).")
+    path: str = _field("runs/tiny-model", "HF model directory (any causal LM vLLM and transformers load).")
+    build_tiny: bool = _field(True, "Build the embedded tiny model at `path` if the directory does not exist.")
+    tiny_seed: int = _field(0, "Seed of the embedded tiny model (weights are a pure function of it).")
+    tiny_shape: TinyShape = _field("tiny", f"Shape of the embedded model built at `path`: {_words(TinyShape)} "
+                                           "(`python -m app tiny-model --help`).")
+    dtype: DType = _field(
+        "auto", "Weights and compute dtype of trainer and engines; auto = bfloat16 when train.use_gpu, "
+                "else float32 (`resolve_dtype`).")
+    max_model_len: int = _field(512, "Context length for the engines and the trainer (prompt + completion).")
+
+    def problems(self) -> list[str]:
+        return _broken((self.max_model_len >= 16, "model.max_model_len: must be >= 16"))
 
 
 @dataclass
 class DataConfig:
-    path: str = _f("builtin:letters", "Prompts: a .parquet or .jsonl file, a directory of split files or written by "
-                                      "`datasets` save_to_disk (see `split`), or `builtin:letters` (toy task).")
-    prompt_column: str = _f("prompt", "Column holding the prompt text.")
-    answer_column: str = _f("answer", "Column holding the reference answer given to the reward.")
-    id_column: str | None = _f(None, "Optional column with a stable prompt id (row index otherwise).")
-    system_prompt: str | None = _f(None, "System message put before every prompt by the chat template.")
-    use_chat_template: bool = _f(True, "Render prompts with the tokenizer's chat template.")
-    shuffle_seed: int = _f(0, "Seed of the per-epoch shuffle.")
-    epochs: int = _f(100, "Passes over the data (training stops at train.total_steps anyway).")
-    builtin_size: int = _f(256, "Number of prompts the builtin task generates.")
-    split: str = _f("train", "Split to read when `path` holds several: a `datasets` save_to_disk DatasetDict, or "
-                             "a directory of SPLIT.parquet / SPLIT.jsonl / SPLIT-*.parquet files.")
-    on_bad_row: str = _f("error", "A row with a missing/null column, a non-string or empty prompt or an empty answer: "
-                                  "`error` refuses the data (naming row, column, problem), `skip` drops and counts it.")
+    path: str = _field(
+        "builtin:letters", "Prompts: a .parquet or .jsonl file, a directory of split files or written by "
+                           "`datasets` save_to_disk (see `split`), or `builtin:letters` (toy task).")
+    prompt_column: str = _field("prompt", "Column holding the prompt text.")
+    answer_column: str = _field("answer", "Column holding the reference answer given to the reward.")
+    id_column: str | None = _field(None, "Optional column with a stable prompt id (row index otherwise).")
+    system_prompt: str | None = _field(None, "System message put before every prompt by the chat template.")
+    use_chat_template: bool = _field(True, "Render prompts with the tokenizer's chat template.")
+    shuffle_seed: int = _field(0, "Seed of the per-epoch shuffle.")
+    epochs: int = _field(100, "Passes over the data (training stops at train.total_steps anyway).")
+    builtin_size: int = _field(256, "Number of prompts the builtin task generates.")
+    split: str = _field(
+        "train", "Split to read when `path` holds several: a `datasets` save_to_disk DatasetDict, or "
+                 "a directory of SPLIT.parquet / SPLIT.jsonl / SPLIT-*.parquet files.")
+    on_bad_row: BadRowPolicy = _field(
+        "error", "A row with a missing/null column, a non-string or empty prompt or an empty answer: "
+                 "`error` refuses the data (naming row, column, problem), `skip` drops and counts it.")
+
+    def problems(self) -> list[str]:
+        return _broken(
+            (self.epochs >= 1, "data.epochs: must be >= 1"),
+            (self.builtin_size >= 1, "data.builtin_size: must be >= 1"),
+            (bool(self.split) and "/" not in self.split, f"data.split: {self.split!r} is not a split name"),
+        )
 
 
 @dataclass
 class RewardConfig:
-    fn: str = _f("app.rewards:letter_reward", "Reward function `module:function(completion, answer, prompt) -> float`; "
-                                              "it also gets the data row (`row=`, every column) and vLLM's "
-                                              "`finish_reason=` (stop | length) when it accepts those keywords.")
-    where: str = _f("worker", "Run rewards in the rollout worker (`worker`) or as Ray tasks (`task`).")
+    fn: str = _field(
+        "app.rewards:letter_reward", "Reward function `module:function(completion, answer, prompt) -> float`; "
+                                     "it also gets the data row (`row=`, every column) and vLLM's "
+                                     "`finish_reason=` (stop | length) when it accepts those keywords.")
+    where: RewardPlace = _field("worker", "Run rewards in the rollout worker (`worker`) or as Ray tasks (`task`).")
+
+    def problems(self) -> list[str]:
+        return _broken((":" in self.fn, f"reward.fn: {self.fn!r} is not `module:function`"))
 
 
 @dataclass
 class LoraConfig:
-    rank: int = _f(8, "LoRA rank r.")
-    alpha: float = _f(16.0, "LoRA alpha (scaling = alpha / rank).")
-    dropout: float = _f(0.0, "LoRA dropout.")
-    target_modules: Any = _f("all-linear", "Module names (list, e.g. [q_proj, v_proj]) or `all-linear`.")
-    use_dora: bool = _f(False, "DoRA (vLLM cannot serve it: forces merge sync).")
-    modules_to_save: list = _f([], "Extra trained full modules (vLLM cannot serve them: forces merge sync).")
+    rank: int = _field(8, "LoRA rank r.")
+    alpha: float = _field(16.0, "LoRA alpha (scaling = alpha / rank).")
+    dropout: float = _field(0.0, "LoRA dropout.")
+    target_modules: Any = _field("all-linear", "Module names (list, e.g. [q_proj, v_proj]) or `all-linear`.")
+    use_dora: bool = _field(False, "DoRA (vLLM cannot serve it: forces merge sync).")
+    modules_to_save: list = _field([], "Extra trained full modules (vLLM cannot serve them: forces merge sync).")
+
+    def problems(self) -> list[str]:
+        modules = self.target_modules
+        return _broken(
+            (self.rank > 0, f"lora.rank: must be > 0, got {self.rank}"),
+            (self.alpha > 0, f"lora.alpha: must be > 0, got {self.alpha}"),
+            (0.0 <= self.dropout < 1.0, f"lora.dropout: must be in [0, 1), got {self.dropout}"),
+            (modules == "all-linear"
+             or (isinstance(modules, list) and bool(modules) and all(isinstance(name, str) for name in modules)),
+             f"lora.target_modules: must be `all-linear` or a non-empty list of module names, got {modules!r}"),
+        )
 
 
 @dataclass
 class GRPOConfig:
-    group_size: int = _f(8, "Completions sampled per prompt (G).")
-    prompts_per_step: int = _f(8, "Prompts per optimizer step (batch = prompts_per_step x group_size).")
-    lr: float = _f(1e-3, "AdamW learning rate over the LoRA parameters.")
-    weight_decay: float = _f(0.0, "AdamW weight decay.")
-    loss: str = _f("grpo", "Policy loss (train_loops/losses.py), one of:\n"
-                   + "\n".join(f"      {k}: {v}" for k, v in POLICY_LOSSES.items()))
-    clip_eps_low: float = _f(0.2, "PPO clip: ratio lower bound 1 - eps_low.")
-    clip_eps_high: float = _f(0.2, "PPO clip: ratio upper bound 1 + eps_high (DAPO clip-higher when larger).")
-    kl_coef: float = _f(0.0, "KL to the base policy (adapter disabled); 0 skips the reference forward.")
-    tis_cap: float | None = _f(None, "Truncated importance sampling cap on trainer/behaviour ratio; null = off "
-                                     "(losses grpo, dr_grpo, dapo).")
-    scale_rewards: bool = _f(True, "Divide advantages by the group std (always off under loss dr_grpo).")
-    loss_agg: LossAgg = _f("token-mean", "The reduction of losses grpo and cispo over a step (dr_grpo, gspo and dapo "
-                                         "have their own).")
-    gspo_clip_eps_low: float = _f(3e-4, "gspo: sequence ratio lower bound 1 - eps (GSPO's ranges are tiny).")
-    gspo_clip_eps_high: float = _f(4e-4, "gspo: sequence ratio upper bound 1 + eps.")
-    cispo_eps_low: float = _f(1.0, "cispo: IS weight lower bound 1 - eps (1.0 = none, as in MiniMax-M1).")
-    cispo_eps_high: float = _f(0.28, "cispo: IS weight upper bound 1 + eps.")
-    dapo_clip_eps_low: float = _f(0.2, "dapo: ratio lower bound 1 - eps.")
-    dapo_clip_eps_high: float = _f(0.28, "dapo: ratio upper bound 1 + eps (clip-higher: > dapo_clip_eps_low).")
-    dr_grpo_norm_len: int | None = _f(None, "dr_grpo: the constant each sequence's token sum is divided by; "
-                                            "null = grpo.max_new_tokens.")
-    dapo_overlong_buffer: int = _f(0, "Overlong reward shaping (any loss): completions longer than max_new_tokens "
-                                      "- buffer get a penalty growing linearly to -dapo_overlong_penalty at "
-                                      "max_new_tokens; 0 = off.")
-    dapo_overlong_penalty: float = _f(1.0, "Overlong shaping: the penalty at max_new_tokens.")
-    dynamic_sampling: bool = _f(False, "Drop groups whose rewards are all equal (no learning signal) and sample "
-                                       "new ones in their place (DAPO); counted as filtered_groups.")
-    temperature: float = _f(1.0, "Sampling temperature.")
-    top_p: float = _f(1.0, "Sampling top-p.")
-    ignore_eos: bool = _f(False, "Generate exactly max_new_tokens per completion (speed benchmarks; "
-                                 "length-controlled runs).")
-    max_new_tokens: int = _f(16, "Max completion tokens.")
+    group_size: int = _field(8, "Completions sampled per prompt (G).")
+    prompts_per_step: int = _field(8, "Prompts per optimizer step (batch = prompts_per_step x group_size).")
+    lr: float = _field(1e-3, "AdamW learning rate over the LoRA parameters.")
+    weight_decay: float = _field(0.0, "AdamW weight decay.")
+    loss: PolicyLossName = _field("grpo", "Policy loss (train_loops/losses.py), one of:\n"
+                                  + "\n".join(f"      {name}: {text}" for name, text in POLICY_LOSSES.items()))
+    clip_eps_low: float = _field(0.2, "PPO clip: ratio lower bound 1 - eps_low.")
+    clip_eps_high: float = _field(0.2, "PPO clip: ratio upper bound 1 + eps_high (DAPO clip-higher when larger).")
+    kl_coef: float = _field(0.0, "KL to the base policy (adapter disabled); 0 skips the reference forward.")
+    tis_cap: float | None = _field(None, "Truncated importance sampling cap on trainer/behaviour ratio; null = off "
+                                         "(losses grpo, dr_grpo, dapo).")
+    scale_rewards: bool = _field(True, "Divide advantages by the group std (always off under loss dr_grpo).")
+    loss_agg: LossAgg = _field(
+        "token-mean", "The reduction of losses grpo and cispo over a step (dr_grpo, gspo and dapo have their own).")
+    gspo_clip_eps_low: float = _field(3e-4, "gspo: sequence ratio lower bound 1 - eps (GSPO's ranges are tiny).")
+    gspo_clip_eps_high: float = _field(4e-4, "gspo: sequence ratio upper bound 1 + eps.")
+    cispo_eps_low: float = _field(1.0, "cispo: IS weight lower bound 1 - eps (1.0 = none, as in MiniMax-M1).")
+    cispo_eps_high: float = _field(0.28, "cispo: IS weight upper bound 1 + eps.")
+    dapo_clip_eps_low: float = _field(0.2, "dapo: ratio lower bound 1 - eps.")
+    dapo_clip_eps_high: float = _field(0.28, "dapo: ratio upper bound 1 + eps (clip-higher: > dapo_clip_eps_low).")
+    dr_grpo_norm_len: int | None = _field(None, "dr_grpo: the constant each sequence's token sum is divided by; "
+                                                "null = grpo.max_new_tokens.")
+    dapo_overlong_buffer: int = _field(0, "Overlong reward shaping (any loss): completions longer than max_new_tokens "
+                                          "- buffer get a penalty growing linearly to -dapo_overlong_penalty at "
+                                          "max_new_tokens; 0 = off.")
+    dapo_overlong_penalty: float = _field(1.0, "Overlong shaping: the penalty at max_new_tokens.")
+    dynamic_sampling: bool = _field(False, "Drop groups whose rewards are all equal (no learning signal) and sample "
+                                           "new ones in their place (DAPO); counted as filtered_groups.")
+    temperature: float = _field(1.0, "Sampling temperature.")
+    top_p: float = _field(1.0, "Sampling top-p.")
+    ignore_eos: bool = _field(False, "Generate exactly max_new_tokens per completion (speed benchmarks; "
+                                     "length-controlled runs).")
+    max_new_tokens: int = _field(16, "Max completion tokens.")
+
+    def problems(self) -> list[str]:
+        positive_eps = ("gspo_clip_eps_low", "gspo_clip_eps_high", "dapo_clip_eps_low", "dapo_clip_eps_high",
+                        "cispo_eps_high")
+        return _broken(
+            (self.group_size >= 2,
+             f"grpo.group_size: must be >= 2 (advantages are relative within a group), got {self.group_size}"),
+            (self.prompts_per_step >= 1, "grpo.prompts_per_step: must be >= 1"),
+            (self.lr > 0, "grpo.lr: must be > 0"),
+            (self.clip_eps_low > 0 and self.clip_eps_high > 0, "grpo.clip_eps_low/high: must be > 0"),
+            (self.clip_eps_low < 1, "grpo.clip_eps_low: must be < 1"),
+            (self.kl_coef >= 0, "grpo.kl_coef: must be >= 0"),
+            (self.tis_cap is None or self.tis_cap >= 1.0, f"grpo.tis_cap: must be null or >= 1, got {self.tis_cap}"),
+            (self.tis_cap is None or self.loss in ("grpo", "dr_grpo", "dapo"),
+             f"grpo.tis_cap: applies to losses grpo, dr_grpo and dapo; {self.loss} weights by the behaviour ratio "
+             "itself"),
+            *((getattr(self, name) > 0, f"grpo.{name}: must be > 0, got {getattr(self, name)}")
+              for name in positive_eps),
+            (self.gspo_clip_eps_low < 1 and self.dapo_clip_eps_low < 1,
+             "grpo.gspo_clip_eps_low/dapo_clip_eps_low: must be < 1"),
+            (0 < self.cispo_eps_low <= 1, f"grpo.cispo_eps_low: must be in (0, 1], got {self.cispo_eps_low}"),
+            (self.dr_grpo_norm_len is None or self.dr_grpo_norm_len >= 1,
+             "grpo.dr_grpo_norm_len: must be null or >= 1"),
+            (0 <= self.dapo_overlong_buffer < self.max_new_tokens,
+             f"grpo.dapo_overlong_buffer: must be in [0, max_new_tokens {self.max_new_tokens}), "
+             f"got {self.dapo_overlong_buffer}"),
+            (self.dapo_overlong_penalty >= 0, "grpo.dapo_overlong_penalty: must be >= 0"),
+            (self.temperature > 0, "grpo.temperature: must be > 0"),
+            (0 < self.top_p <= 1, "grpo.top_p: must be in (0, 1]"),
+            (self.max_new_tokens >= 1, "grpo.max_new_tokens: must be >= 1"),
+        )
 
 
 @dataclass
 class TrainConfig:
-    num_workers: int = _f(2, "Ray Train workers (ranks).")
-    cpus_per_worker: float = _f(0.5, "CPUs reserved per worker (fractions let training and serving share 2 cores).")
-    use_gpu: bool = _f(False, "Train on GPUs (nccl, bf16 under dtype auto).")
-    gpus_per_worker: float = _f(1.0, "GPUs reserved per worker when use_gpu; a fraction (e.g. 0.5) shares one GPU "
-                                     "with a rollout replica (see recipes/gpu-1x.yaml).")
-    zero_stage: int = _f(2, "DeepSpeed ZeRO stage 0-2 (3 is refused on GPU for LoRA: see the validation message).")
-    max_tokens_per_micro_batch: int | None = _f(
+    num_workers: int = _field(2, "Ray Train workers (ranks).")
+    cpus_per_worker: float = _field(
+        0.5, "CPUs reserved per worker (fractions let training and serving share 2 cores).")
+    use_gpu: bool = _field(False, "Train on GPUs (nccl, bf16 under dtype auto).")
+    gpus_per_worker: float = _field(1.0, "GPUs reserved per worker when use_gpu; a fraction (e.g. 0.5) shares one "
+                                         "GPU with a rollout replica (see recipes/gpu-1x.yaml).")
+    zero_stage: ZeroStage = _field(
+        2, "DeepSpeed ZeRO stage 0-2 (3 is refused on GPU for LoRA: see the validation message).")
+    max_tokens_per_micro_batch: int | None = _field(
         None, "Padded tokens (sequences x longest sequence) per micro-batch; a step's sequences are split by their "
               "real lengths, the loss stays exact for any split. null = automatic from the model's shape and free "
               "memory (GPU) or 16384 (CPU).")
-    max_grad_norm: float = _f(1.0, "Gradient clipping (0 = off).")
-    total_steps: int = _f(30, "Optimizer steps to run.")
-    seed: int = _f(0, "Seed of LoRA init, sampling and shuffles.")
-    gradient_checkpointing: bool = _f(False, "Recompute activations in backward (GPU, long sequences).")
-    logprob_chunk: int = _f(4096, "Tokens per chunk when computing token logprobs (bounds the log-softmax memory).")
-    liger_kernels: Literal["auto", "on", "off"] = _f(
+    max_grad_norm: float = _field(1.0, "Gradient clipping (0 = off).")
+    total_steps: int = _field(30, "Optimizer steps to run.")
+    seed: int = _field(0, "Seed of LoRA init, sampling and shuffles.")
+    gradient_checkpointing: bool = _field(False, "Recompute activations in backward (GPU, long sequences).")
+    logprob_chunk: int = _field(
+        4096, "Tokens per chunk when computing token logprobs (bounds the log-softmax memory).")
+    liger_kernels: LigerMode = _field(
         "auto", "Liger's fused RMSNorm / RoPE / SwiGLU kernels in the trainer (GPU; train_loops/fused_kernels.py): "
                 "auto = when liger_kernel is installed and training runs on GPU.")
-    fused_lora: bool = _f(True, "LoRA linears add their update inside the base layer's GEMM, scaling the rank-r "
-                                "activation (train_loops/lora_linear.py): same math, less memory traffic; false = "
-                                "PEFT's own layer.")
+    fused_lora: bool = _field(True, "LoRA linears add their update inside the base layer's GEMM, scaling the rank-r "
+                                    "activation (train_loops/lora_linear.py): same math, less memory traffic; false = "
+                                    "PEFT's own layer.")
+    profile_step: int | None = _field(None, "profile this optimizer step with torch.profiler on rank 0 and write its "
+                                            "top ops to RUN_DIR/profile.txt (None: off)")
+
+    def problems(self) -> list[str]:
+        return _broken(
+            (self.num_workers >= 1, "train.num_workers: must be >= 1"),
+            (self.cpus_per_worker > 0, "train.cpus_per_worker: must be > 0"),
+            (not self.use_gpu or 0 < self.gpus_per_worker <= 1,
+             f"train.gpus_per_worker: must be in (0, 1] (one worker uses at most one GPU), got {self.gpus_per_worker}"),
+            (not (self.use_gpu and self.zero_stage == 3),
+             "train.zero_stage: 3 is refused on GPU for LoRA. ZeRO-3 shards the frozen base weights and all-gathers "
+             "every layer again in each forward and backward of every micro-batch (and the KL reference pass), "
+             "to save optimizer state for a trainable part of a few MB; use zero_stage 2 (or 0), which keeps the "
+             "base replicated and only reduces LoRA gradients"),
+            (self.liger_kernels != "on" or self.use_gpu,
+             "train.liger_kernels: on needs train.use_gpu (Liger's kernels are Triton, GPU only); use auto or off"),
+            (self.max_grad_norm >= 0, "train.max_grad_norm: must be >= 0"),
+            (self.total_steps >= 1, "train.total_steps: must be >= 1"),
+            (self.logprob_chunk >= 1, "train.logprob_chunk: must be >= 1"),
+            (self.profile_step is None or self.profile_step >= 1,
+             f"train.profile_step: must be null or >= 1, got {self.profile_step}"),
+        )
 
 
 @dataclass
 class RolloutConfig:
-    replicas: int = _f(2, "vLLM replicas (Serve deployment replicas).")
-    cpus_per_replica: float = _f(0.5, "CPUs reserved per replica.")
-    gpus_per_replica: float = _f(0.0, "GPUs per replica (tensor_parallel of them on GPU).")
-    tensor_parallel: int = _f(1, "vLLM tensor parallel size.")
-    max_lora_rank: int = _f(8, "vLLM max_lora_rank; one of 1, 8, 16, 32, 64, 128, 256, 320, 512.")
-    kv_cache_gib: int = _f(1, "VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB: vLLM reads it as an integer).")
-    gpu_memory_utilization: float = _f(0.85, "vLLM gpu_memory_utilization on GPU.")
-    max_num_seqs: int = _f(64, "vLLM max_num_seqs.")
-    enforce_eager: bool = _f(True, "Skip CUDA graphs / torch.compile (fast start); set False on GPU for speed.")
-    workers: int = _f(2, "Rollout worker actors that turn prompts into scored groups.")
-    groups_per_worker: int = _f(1, "Groups each rollout worker samples concurrently (workers x this = groups in "
-                                   "flight; enough to fill the engines' batches on GPU).")
-    http_port: int = _f(8000, "Serve HTTP port of the OpenAI-compatible router.")
-    admin_token: str | None = _f(None, "Bearer token for admin routes; env LORA_GRPO_ADMIN_TOKEN if null; "
-                                       "none = admin off.")
-    app_name: str = _f("policy", "Serve application name.")
-    max_body_bytes: int = _f(4 * 1024 * 1024, "Largest REST request body in bytes; a larger one is answered 413 "
-                                              "without being parsed.")
-    max_inflight_per_replica: int | None = _f(
+    replicas: int = _field(2, "vLLM replicas (Serve deployment replicas).")
+    cpus_per_replica: float = _field(0.5, "CPUs reserved per replica.")
+    gpus_per_replica: float = _field(0.0, "GPUs per replica (tensor_parallel of them on GPU).")
+    tensor_parallel: int = _field(1, "vLLM tensor parallel size.")
+    max_lora_rank: LoraRank = _field(8, f"vLLM max_lora_rank; one of {_words(LoraRank, ', ')}.")
+    kv_cache_gib: int = _field(1, "VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB: vLLM reads it as an integer).")
+    gpu_memory_utilization: float = _field(0.85, "vLLM gpu_memory_utilization on GPU.")
+    max_num_seqs: int = _field(64, "vLLM max_num_seqs.")
+    enforce_eager: bool = _field(True, "Skip CUDA graphs / torch.compile (fast start); set False on GPU for speed.")
+    workers: int = _field(2, "Rollout worker actors that turn prompts into scored groups.")
+    groups_per_worker: int = _field(1, "Groups each rollout worker samples concurrently (workers x this = groups in "
+                                       "flight; enough to fill the engines' batches on GPU).")
+    http_port: int = _field(8000, "Serve HTTP port of the OpenAI-compatible router.")
+    admin_token: str | None = _field(None, "Bearer token for admin routes; env LORA_GRPO_ADMIN_TOKEN if null; "
+                                           "none = admin off.")
+    app_name: str = _field("policy", "Serve application name.")
+    max_body_bytes: int = _field(4 * 1024 * 1024, "Largest REST request body in bytes; a larger one is answered 413 "
+                                                  "without being parsed.")
+    max_inflight_per_replica: int | None = _field(
         None, "REST + rollout requests in flight per replica (the router ingress admits at most this x replicas); "
               "a REST request over it is answered 429 with Retry-After. null = 4 x max_num_seqs.")
+
+    def problems(self) -> list[str]:
+        return _broken(
+            (self.gpus_per_replica >= 0, "rollout.gpus_per_replica: must be >= 0"),
+            (self.replicas >= 1, "rollout.replicas: must be >= 1"),
+            (self.cpus_per_replica > 0, "rollout.cpus_per_replica: must be > 0"),
+            (self.tensor_parallel >= 1, "rollout.tensor_parallel: must be >= 1"),
+            (self.kv_cache_gib >= 1, "rollout.kv_cache_gib: must be a whole number of GiB >= 1"),
+            (0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization: must be in (0, 1]"),
+            (self.workers >= 1, "rollout.workers: must be >= 1"),
+            (self.groups_per_worker >= 1, "rollout.groups_per_worker: must be >= 1"),
+            (1 <= self.http_port <= 65535, "rollout.http_port: must be a TCP port"),
+            (self.max_body_bytes >= 1024, f"rollout.max_body_bytes: must be >= 1024, got {self.max_body_bytes}"),
+            (self.max_inflight_per_replica is None or self.max_inflight_per_replica >= 1,
+             f"rollout.max_inflight_per_replica: must be >= 1 or null, got {self.max_inflight_per_replica}"),
+        )
 
 
 @dataclass
 class RouterConfig:
-    policy: RouterPolicy = _f("prefix", "prefix: longest prompt-specific prefix match with load balance; round_robin; "
-                                        "serve_default: Serve's own router (no prefix routing).")
-    imbalance: int = _f(8, "Spill to the least-loaded replica when the prefix owner has this many more in flight.")
-    max_tracked_blocks: int = _f(100_000, "Per-replica LRU bound on tracked block hashes.")
-    skip_generic: bool = _f(True, "prefix: match only past blocks that identify no prompt (held by every replica, "
-                                  "or followed by 2+ different blocks); false = plain longest match from the start.")
+    policy: RouterPolicy = _field(
+        "prefix", "prefix: longest prompt-specific prefix match with load balance; round_robin; "
+                  "serve_default: Serve's own router (no prefix routing).")
+    imbalance: int = _field(8, "Spill to the least-loaded replica when the prefix owner has this many more in "
+                               "flight.")
+    max_tracked_blocks: int = _field(100_000, "Per-replica LRU bound on tracked block hashes.")
+    skip_generic: bool = _field(
+        True, "prefix: match only past blocks that identify no prompt (held by every replica, "
+              "or followed by 2+ different blocks); false = plain longest match from the start.")
+
+    def problems(self) -> list[str]:
+        return _broken(
+            (self.imbalance >= 1, "router.imbalance: must be >= 1"),
+            (self.max_tracked_blocks >= 1, "router.max_tracked_blocks: must be >= 1"),
+        )
 
 
 @dataclass
 class SyncConfig:
-    mode: str = _f("adapter", "adapter | merge: publish LoRA tensors, or fold into base weights and push those.")
-    every: int = _f(1, "Publish every N optimizer steps.")
-    delta_threshold: float = _f(0.0, "Skip a publish when no adapter tensor moved more than this (max abs).")
-    max_staleness: int = _f(2, "Accept samples of versions >= trainer version - max_staleness.")
-    max_loras: int | None = _f(None, "Adapter slots per replica; default and minimum max_staleness + 2.")
-    overlap_publish: bool = _f(True, "Async runs: hand the adapter to the registry in the background while the "
-                                     "next step trains (a step costs max(learn, publish), not their sum); "
-                                     "publishes stay in order, one in flight. Sync runs always wait.")
+    mode: SyncMode = _field("adapter", f"{_words(SyncMode)}: publish LoRA tensors, or fold into base weights and "
+                                       "push those.")
+    every: int = _field(1, "Publish every N optimizer steps.")
+    delta_threshold: float = _field(0.0, "Skip a publish when no adapter tensor moved more than this (max abs).")
+    max_staleness: int = _field(2, "Accept samples of versions >= trainer version - max_staleness.")
+    max_loras: int | None = _field(None, "Adapter slots per replica; default and minimum max_staleness + 2.")
+    overlap_publish: bool = _field(True, "Async runs: hand the adapter to the registry in the background while the "
+                                         "next step trains (a step costs max(learn, publish), not their sum); "
+                                         "publishes stay in order, one in flight. Sync runs always wait.")
+
+    def problems(self) -> list[str]:
+        return _broken(
+            (self.every >= 1, "sync.every: must be >= 1"),
+            (self.every - 1 <= self.max_staleness,
+             f"sync.every: {self.every} publishes too rarely for sync.max_staleness {self.max_staleness}: samples of "
+             "the newest published version would already be stale; keep every <= max_staleness + 1"),
+            (self.delta_threshold >= 0, "sync.delta_threshold: must be >= 0"),
+            (self.max_staleness >= 0, "sync.max_staleness: must be >= 0"),
+            (self.max_loras is None or self.max_loras >= self.max_staleness + 2,
+             f"sync.max_loras: {self.max_loras} < sync.max_staleness + 2 ({self.max_staleness + 2}): live versions, "
+             "their in-flight predecessors and a swap slot must fit"),
+        )
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = _f(10, "Checkpoint every N steps (0 = only at the end).")
-    keep: int = _f(2, "Checkpoints Ray Train keeps.")
-    resume_from: str | None = _f(None, "Checkpoint directory to resume from.")
+    every: int = _field(10, "Checkpoint every N steps (0 = only at the end).")
+    keep: int = _field(2, "Checkpoints Ray Train keeps.")
+    resume_from: str | None = _field(None, "Checkpoint directory to resume from.")
+
+    def problems(self) -> list[str]:
+        return _broken(
+            (self.every >= 0, "checkpoint.every: must be >= 0"),
+            (self.keep >= 1, "checkpoint.keep: must be >= 1"),
+        )
 
 
 @dataclass
 class RunConfig:
-    name: str = _f("grpo", "Run name (subdirectory of out_dir).")
-    out_dir: str = _f("runs", "Where run directories go (metrics.jsonl, plots, adapter, checkpoints).")
-    mode: str = _f("async", "async (rollouts run ahead) | sync (generate, then train, alternating).")
-    serve_after: bool = _f(False, "Keep serving the final policy after training until interrupted.")
-    ray_address: str | None = _f(None, "Ray address to join; null = the job's cluster or a new local one.")
-    stall_timeout_s: float = _f(600.0, "Fail the run (exit non-zero, with the buffer, registry and replica state) "
-                                       "when no step finished and nothing was generated for this long.")
-    loggers: list = _f(["jsonl"], "Experiment trackers: any of jsonl, tensorboard, mlflow, wandb (jsonl = "
-                                  "metrics.jsonl, always on; tensorboard -> RUN_DIR/tensorboard/; mlflow -> "
-                                  "mlflow_tracking_uri; wandb offline in RUN_DIR/wandb/ unless WANDB_API_KEY is set). "
-                                  "pip install -e '.[tracking]' (tensorboard, mlflow) or '.[wandb]'.")
-    mlflow_tracking_uri: str | None = _f(None, "MLflow tracking URI (e.g. http://host:5000); null = the file store "
-                                               "RUN_DIR/mlruns.")
-    tracking_project: str = _f("lora-grpo", "MLflow experiment / W&B project the run is logged under.")
-    log_every: int = _f(10, "Print one summary line (reward, eval, staleness, tokens/s, sync latency) every N steps "
-                            "on the console; Ray, Serve, vLLM and DeepSpeed logs go to RUN_DIR/logs/ "
-                            "(`train --verbose` streams them).")
+    name: str = _field("grpo", "Run name (subdirectory of out_dir).")
+    out_dir: str = _field("runs", "Where run directories go (metrics.jsonl, plots, adapter, checkpoints).")
+    mode: RunMode = _field("async", "async (rollouts run ahead) | sync (generate, then train, alternating).")
+    serve_after: bool = _field(False, "Keep serving the final policy after training until interrupted.")
+    ray_address: str | None = _field(None, "Ray address to join; null = the job's cluster or a new local one.")
+    stall_timeout_s: float = _field(600.0, "Fail the run (exit non-zero, with the buffer, registry and replica "
+                                           "state) when no step finished and nothing was generated for this long.")
+    loggers: list[LoggerName] = _field(
+        ["jsonl"], f"Experiment trackers: any of {_words(LoggerName, ', ')} (jsonl = metrics.jsonl, always on; "
+                   "tensorboard -> RUN_DIR/tensorboard/; mlflow -> mlflow_tracking_uri; wandb offline in "
+                   "RUN_DIR/wandb/ unless WANDB_API_KEY is set). pip install -e '.[tracking]' (tensorboard, mlflow) "
+                   "or '.[wandb]'.")
+    mlflow_tracking_uri: str | None = _field(None, "MLflow tracking URI (e.g. http://host:5000); null = the file "
+                                                   "store RUN_DIR/mlruns.")
+    tracking_project: str = _field("lora-grpo", "MLflow experiment / W&B project the run is logged under.")
+    log_every: int = _field(
+        10, "Print one summary line (reward, eval, staleness, tokens/s, sync latency) every N steps "
+            "on the console; Ray, Serve, vLLM and DeepSpeed logs go to RUN_DIR/logs/ "
+            "(`train --verbose` streams them).")
+
+    def problems(self) -> list[str]:
+        known = typing.get_args(LoggerName)
+        return _broken(
+            (self.stall_timeout_s > 0, "run.stall_timeout_s: must be > 0"),
+            (all(name in known for name in self.loggers),
+             f"run.loggers: {self.loggers!r} has unknown entries (known: {', '.join(known)})"),
+            *((_installed(LOGGER_PACKAGES[name][0]), _missing_logger_message(name))
+              for name in self.loggers if name in known),
+            (bool(self.tracking_project), "run.tracking_project: must be a non-empty name"),
+            (self.log_every >= 1, f"run.log_every: must be >= 1, got {self.log_every}"),
+            (bool(self.name) and "/" not in self.name, "run.name: must be a non-empty name without '/'"),
+        )
+
+
+def _installed(modules: tuple[str, ...]) -> bool:
+    """Any one of `modules` importable (none needed when empty)."""
+    return not modules or any(importlib.util.find_spec(module) is not None for module in modules)
+
+
+def _missing_logger_message(name: str) -> str:
+    modules, extra = LOGGER_PACKAGES[name]
+    package = modules[0] if modules else name
+    return (f"run.loggers: {name} needs the `{package}` package, which is not installed: "
+            f"pip install -e '.[{extra}]' (or pip install {package})")
 
 
 @dataclass
 class EvalConfig:
-    path: str | None = _f(None, "Held-out prompts scored during training through the served policy: a file or "
-                                "directory like data.path (same columns and reward), or `builtin:letters-heldout` "
-                                "(letters prompts disjoint from `builtin:letters`); null = no evaluation.")
-    every: int = _f(10, "Evaluate the version just published every N optimizer steps (also before step 1 and "
-                        "after the last step); runs beside the rollouts, never stalls training.")
-    samples: int = _f(64, "Eval prompts (the first N of eval.path).")
-    pass_k: int = _f(1, "1 = pass@1, greedy (eval/accuracy); k > 1 also samples k completions per prompt at "
-                        "grpo.temperature and reports eval/pass@k (any of the k correct).")
+    path: str | None = _field(
+        None, "Held-out prompts scored during training through the served policy: a file or "
+              "directory like data.path (same columns and reward), or `builtin:letters-heldout` "
+              "(letters prompts disjoint from `builtin:letters`); null = no evaluation.")
+    every: int = _field(10, "Evaluate the version just published every N optimizer steps (also before step 1 and "
+                            "after the last step); runs beside the rollouts, never stalls training.")
+    samples: int = _field(64, "Eval prompts (the first N of eval.path).")
+    pass_k: int = _field(1, "1 = pass@1, greedy (eval/accuracy); k > 1 also samples k completions per prompt at "
+                            "grpo.temperature and reports eval/pass@k (any of the k correct).")
+
+    def problems(self) -> list[str]:
+        return _broken(
+            (self.every >= 1, f"eval.every: must be >= 1, got {self.every}"),
+            (self.samples >= 1, f"eval.samples: must be >= 1, got {self.samples}"),
+            (self.pass_k >= 1, f"eval.pass_k: must be >= 1, got {self.pass_k}"),
+            (self.path is None or bool(self.path.strip()), "eval.path: must be null or a path"),
+        )
 
 
 @dataclass
@@ -302,7 +477,32 @@ class ConfigError(ValueError):
 
     def __init__(self, problems: list[str]):
         self.problems = problems
-        super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+        super().__init__("invalid config:\n" + "\n".join(f"  - {problem}" for problem in problems))
+
+
+def _cross_section_problems(cfg: Config) -> list[str]:
+    """The rules that read more than one section; each message names the key to change."""
+    model, grpo, train, rollout = cfg.model, cfg.grpo, cfg.train, cfg.rollout
+    batch = grpo.prompts_per_step * grpo.group_size
+    return _broken(
+        (grpo.max_new_tokens < model.max_model_len,
+         f"grpo.max_new_tokens: {grpo.max_new_tokens} must be < model.max_model_len {model.max_model_len}"),
+        (train.max_tokens_per_micro_batch is None or train.max_tokens_per_micro_batch >= model.max_model_len,
+         f"train.max_tokens_per_micro_batch: {train.max_tokens_per_micro_batch} is smaller than one sequence "
+         f"(model.max_model_len {model.max_model_len}); raise it or lower max_model_len"),
+        (batch >= train.num_workers,
+         f"grpo.prompts_per_step x grpo.group_size ({batch}) must be >= train.num_workers ({train.num_workers})"),
+        (rollout.gpus_per_replica == 0 or train.use_gpu,
+         "rollout.gpus_per_replica: set but train.use_gpu is false; GPU runs set both (a GPU engine with a CPU "
+         "trainer would compute the behaviour and trainer logprobs on different hardware and dtypes)"),
+        # merge mode pushes full weights, so only adapter mode is bound by the engines' LoRA slots
+        (cfg.sync.mode == "merge" or cfg.lora.rank <= rollout.max_lora_rank,
+         f"lora.rank: {cfg.lora.rank} exceeds rollout.max_lora_rank {rollout.max_lora_rank}; raise max_lora_rank "
+         "or set sync.mode=merge"),
+        (cfg.eval.path != "builtin:letters-heldout" or cfg.data.builtin_size <= 4096,
+         f"eval.path: builtin:letters-heldout is disjoint from the first 4096 builtin:letters prompts only; "
+         f"data.builtin_size is {cfg.data.builtin_size}"),
+    )
 
 
 # ---------------------------------------------------------------- loading
@@ -315,30 +515,32 @@ def _section_types() -> dict[str, type]:
 _REMOVED = {"train.grad_accum": "removed: steps are cut into micro-batches by train.max_tokens_per_micro_batch"}
 
 
-def from_dict(d: dict | None) -> Config:
+def from_dict(data: dict | None) -> Config:
     """Build a Config from nested dicts; unknown sections or keys are errors naming them."""
-    d = d or {}
-    problems, kwargs = [], {}
-    types = _section_types()
-    for sec, val in d.items():
-        if sec not in types:
-            problems.append(f"{sec}: unknown section (known: {', '.join(types)})")
+    data = data or {}
+    problems, sections = [], {}
+    section_types = _section_types()
+    for section_name, values in data.items():
+        if section_name not in section_types:
+            problems.append(f"{section_name}: unknown section (known: {', '.join(section_types)})")
             continue
-        if val is None:
+        if values is None:
             continue
-        if not isinstance(val, dict):
-            problems.append(f"{sec}: must be a mapping, got {type(val).__name__}")
+        if not isinstance(values, dict):
+            problems.append(f"{section_name}: must be a mapping, got {type(values).__name__}")
             continue
-        cls = types[sec]
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = [k for k in val if k not in names]
-        problems += [f"{sec}.{k}: unknown key" + (f" ({_REMOVED[f'{sec}.{k}']})" if f"{sec}.{k}" in _REMOVED else "")
-                     for k in unknown]
-        hints = typing.get_type_hints(cls)
-        kwargs[sec] = cls(**{k: _literal_word(v, hints[k]) for k, v in val.items() if k in names})
+        section_type = section_types[section_name]
+        names = {spec.name for spec in dataclasses.fields(section_type)}
+        for key in values:
+            if key not in names:
+                removed = _REMOVED.get(f"{section_name}.{key}")
+                problems.append(f"{section_name}.{key}: unknown key" + (f" ({removed})" if removed else ""))
+        hints = typing.get_type_hints(section_type)
+        sections[section_name] = section_type(
+            **{key: _literal_word(value, hints[key]) for key, value in values.items() if key in names})
     if problems:
         raise ConfigError(problems)
-    return Config(**kwargs)
+    return Config(**sections)
 
 
 def _coerce(text: str) -> Any:
@@ -352,7 +554,7 @@ def _coerce(text: str) -> Any:
     return value
 
 
-def apply_overrides(d: dict, overrides: list[str]) -> dict:
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError([f"--set {item!r}: expected key=value (e.g. train.total_steps=10)"])
@@ -360,211 +562,111 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
         parts = key.strip().split(".")
         if len(parts) != 2:
             raise ConfigError([f"--set {key}: keys are section.name (e.g. grpo.lr)"])
-        d.setdefault(parts[0], {})
-        if not isinstance(d[parts[0]], dict):
-            d[parts[0]] = {}
-        d[parts[0]][parts[1]] = _coerce(value)
-    return d
+        section_name, name = parts
+        data.setdefault(section_name, {})
+        if not isinstance(data[section_name], dict):
+            data[section_name] = {}
+        data[section_name][name] = _coerce(value)
+    return data
 
 
 def load(path: str | None = None, overrides: list[str] | None = None) -> Config:
     """YAML file (optional) + overrides -> validated Config. Raises ConfigError."""
-    d: dict = {}
+    data: dict = {}
     if path:
-        p = Path(path)
-        if not p.is_file():
+        file = Path(path)
+        if not file.is_file():
             raise ConfigError([f"config file {path}: not found"])
         try:
-            d = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError([f"config file {path}: not valid YAML ({e})"]) from e
-        if not isinstance(d, dict):
+            data = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError([f"config file {path}: not valid YAML ({error})"]) from error
+        if not isinstance(data, dict):
             raise ConfigError([f"config file {path}: top level must be a mapping of sections"])
-    cfg = from_dict(apply_overrides(d, overrides or []))
+    cfg = from_dict(apply_overrides(data, overrides or []))
     validate(cfg)
     return cfg
 
 
 # ---------------------------------------------------------------- validation
 
-def _literal_word(v, tp):
+def _literal_word(value, annotation):
     """YAML 1.1 reads `off` / `on` as booleans (in files and in --set alike); a field whose allowed
     words include them gets the word back."""
-    if isinstance(v, bool) and typing.get_origin(tp) is Literal and ("on" if v else "off") in typing.get_args(tp):
-        return "on" if v else "off"
-    return v
+    if (isinstance(value, bool) and typing.get_origin(annotation) is Literal
+            and ("on" if value else "off") in typing.get_args(annotation)):
+        return "on" if value else "off"
+    return value
 
 
-def _type_problems(cfg: Config) -> list[str]:
-    """Check each field against its annotation (int, float, bool, str, optional, list)."""
+def _type_problems(section_name: str, section) -> list[str]:
+    """Each field of one section against its annotation (Literal, int, float, bool, str, optional, list)."""
     problems = []
-    for sec_name, sec_type in _section_types().items():
-        sec = getattr(cfg, sec_name)
-        hints = typing.get_type_hints(sec_type)
-        for f in dataclasses.fields(sec_type):
-            v, tp = getattr(sec, f.name), hints[f.name]
-            if not _matches(v, tp):
-                problems.append(f"{sec_name}.{f.name}: expected {_tname(tp)}, got {v!r}")
+    hints = typing.get_type_hints(type(section))
+    for spec in dataclasses.fields(section):
+        value, annotation = getattr(section, spec.name), hints[spec.name]
+        if _matches(value, annotation):
+            continue
+        if typing.get_origin(annotation) is Literal:
+            problems.append(f"{section_name}.{spec.name}: {value!r} is not {_choices(annotation)}")
+        else:
+            problems.append(f"{section_name}.{spec.name}: expected {_type_name(annotation)}, got {value!r}")
     return problems
 
 
-def _matches(v, tp) -> bool:
-    if tp is Any:
+def _choices(literal) -> str:
+    """A Literal's values as an error message lists them: `a or b`, `one of a, b, c`."""
+    words = [str(value) for value in typing.get_args(literal)]
+    return " or ".join(words) if len(words) == 2 else "one of " + ", ".join(words)
+
+
+def _matches(value, annotation) -> bool:
+    if annotation is Any:
         return True
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Literal:
-        return isinstance(v, str | int) and not isinstance(v, bool) and v in args
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        return any(_matches(v, a) for a in args)
-    if tp is type(None):
-        return v is None
-    if tp is bool:
-        return isinstance(v, bool)
-    if tp is int:
-        return isinstance(v, int) and not isinstance(v, bool)
-    if tp is float:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-    if tp in (list, dict, str):
-        return isinstance(v, tp)
-    if origin in (list, dict):
-        return isinstance(v, origin)
-    return isinstance(v, tp)
+        return isinstance(value, str | int) and not isinstance(value, bool) and value in args
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in args)
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin in (list, dict):  # the entries are a section rule's to check (e.g. run.loggers)
+        return isinstance(value, origin)
+    return isinstance(value, annotation)
 
 
-def _tname(tp) -> str:
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) is Literal:
-        return " | ".join(str(a) for a in args)
+def _type_name(annotation) -> str:
+    """An annotation as `describe()` and type errors show it."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        return " | ".join(str(arg) for arg in args)
+    if origin is list and args:
+        return f"list of {_type_name(args[0])}"
     if args:
-        return " or ".join("null" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
-    return getattr(tp, "__name__", str(tp))
+        return " or ".join("null" if arg is type(None) else getattr(arg, "__name__", str(arg)) for arg in args)
+    return getattr(annotation, "__name__", str(annotation))
 
 
 def validate(cfg: Config) -> None:
-    """Raise ConfigError listing every broken rule; checks that need no model files."""
-    p = _type_problems(cfg)
-    if p:  # later rules assume the types hold
-        raise ConfigError(p)
-    m, g, t, r, s, lo = cfg.model, cfg.grpo, cfg.train, cfg.rollout, cfg.sync, cfg.lora
-
-    def need(ok: bool, msg: str):
-        if not ok:
-            p.append(msg)
-
-    need(m.max_model_len >= 16, "model.max_model_len: must be >= 16")
-    need(m.tiny_shape in ("tiny", "small", "qwen2.5-1.5b"),
-         f"model.tiny_shape: {m.tiny_shape!r} is not tiny, small or qwen2.5-1.5b")
-    need(cfg.data.epochs >= 1, "data.epochs: must be >= 1")
-    need(cfg.data.builtin_size >= 1, "data.builtin_size: must be >= 1")
-    need(cfg.data.on_bad_row in ("error", "skip"), f"data.on_bad_row: {cfg.data.on_bad_row!r} is not error or skip")
-    need(bool(cfg.data.split) and "/" not in cfg.data.split, f"data.split: {cfg.data.split!r} is not a split name")
-    need(":" in cfg.reward.fn, f"reward.fn: {cfg.reward.fn!r} is not `module:function`")
-    need(cfg.reward.where in ("worker", "task"), f"reward.where: {cfg.reward.where!r} is not worker or task")
-    need(lo.rank > 0, f"lora.rank: must be > 0, got {lo.rank}")
-    need(lo.alpha > 0, f"lora.alpha: must be > 0, got {lo.alpha}")
-    need(0.0 <= lo.dropout < 1.0, f"lora.dropout: must be in [0, 1), got {lo.dropout}")
-    tm = lo.target_modules
-    need(tm == "all-linear" or (isinstance(tm, list) and tm and all(isinstance(x, str) for x in tm)),
-         f"lora.target_modules: must be `all-linear` or a non-empty list of module names, got {tm!r}")
-    need(g.group_size >= 2,
-         f"grpo.group_size: must be >= 2 (advantages are relative within a group), got {g.group_size}")
-    need(g.prompts_per_step >= 1, "grpo.prompts_per_step: must be >= 1")
-    need(g.lr > 0, "grpo.lr: must be > 0")
-    need(g.clip_eps_low > 0 and g.clip_eps_high > 0, "grpo.clip_eps_low/high: must be > 0")
-    need(g.clip_eps_low < 1, "grpo.clip_eps_low: must be < 1")
-    need(g.kl_coef >= 0, "grpo.kl_coef: must be >= 0")
-    need(g.tis_cap is None or g.tis_cap >= 1.0, f"grpo.tis_cap: must be null or >= 1, got {g.tis_cap}")
-    need(g.loss in LOSS_NAMES, f"grpo.loss: {g.loss!r} is not one of {', '.join(LOSS_NAMES)}")
-    need(g.tis_cap is None or g.loss in ("grpo", "dr_grpo", "dapo"),
-         f"grpo.tis_cap: applies to losses grpo, dr_grpo and dapo; {g.loss} weights by the behaviour ratio itself")
-    for k in ("gspo_clip_eps_low", "gspo_clip_eps_high", "dapo_clip_eps_low", "dapo_clip_eps_high", "cispo_eps_high"):
-        need(getattr(g, k) > 0, f"grpo.{k}: must be > 0, got {getattr(g, k)}")
-    need(g.gspo_clip_eps_low < 1 and g.dapo_clip_eps_low < 1, "grpo.gspo_clip_eps_low/dapo_clip_eps_low: must be < 1")
-    need(0 < g.cispo_eps_low <= 1, f"grpo.cispo_eps_low: must be in (0, 1], got {g.cispo_eps_low}")
-    need(g.dr_grpo_norm_len is None or g.dr_grpo_norm_len >= 1, "grpo.dr_grpo_norm_len: must be null or >= 1")
-    need(0 <= g.dapo_overlong_buffer < g.max_new_tokens,
-         f"grpo.dapo_overlong_buffer: must be in [0, max_new_tokens {g.max_new_tokens}), got {g.dapo_overlong_buffer}")
-    need(g.dapo_overlong_penalty >= 0, "grpo.dapo_overlong_penalty: must be >= 0")
-    need(g.temperature > 0, "grpo.temperature: must be > 0")
-    need(0 < g.top_p <= 1, "grpo.top_p: must be in (0, 1]")
-    need(1 <= g.max_new_tokens < m.max_model_len, "grpo.max_new_tokens: must be >= 1 and < model.max_model_len")
-    need(t.num_workers >= 1, "train.num_workers: must be >= 1")
-    need(t.cpus_per_worker > 0, "train.cpus_per_worker: must be > 0")
-    need(0 <= t.zero_stage <= 3, f"train.zero_stage: must be 0, 1, 2 or 3, got {t.zero_stage}")
-    need(t.max_tokens_per_micro_batch is None or t.max_tokens_per_micro_batch >= m.max_model_len,
-         f"train.max_tokens_per_micro_batch: {t.max_tokens_per_micro_batch} is smaller than one sequence "
-         f"(model.max_model_len {m.max_model_len}); raise it or lower max_model_len")
-    need(not t.use_gpu or 0 < t.gpus_per_worker <= 1,
-         f"train.gpus_per_worker: must be in (0, 1] (one worker uses at most one GPU), got {t.gpus_per_worker}")
-    need(not (t.use_gpu and t.zero_stage == 3),
-         "train.zero_stage: 3 is refused on GPU for LoRA. ZeRO-3 shards the frozen base weights and all-gathers "
-         "every layer again in each forward and backward of every micro-batch (and the KL reference pass), "
-         "to save optimizer state for a trainable part of a few MB; use zero_stage 2 (or 0), which keeps the "
-         "base replicated and only reduces LoRA gradients")
-    need(r.gpus_per_replica == 0 or t.use_gpu,
-         "rollout.gpus_per_replica: set but train.use_gpu is false; GPU runs set both (a GPU engine with a CPU "
-         "trainer would compute the behaviour and trainer logprobs on different hardware and dtypes)")
-    need(r.gpus_per_replica >= 0, "rollout.gpus_per_replica: must be >= 0")
-    need(t.liger_kernels != "on" or t.use_gpu,
-         "train.liger_kernels: on needs train.use_gpu (Liger's kernels are Triton, GPU only); use auto or off")
-    need(t.max_grad_norm >= 0, "train.max_grad_norm: must be >= 0")
-    need(t.total_steps >= 1, "train.total_steps: must be >= 1")
-    need(t.logprob_chunk >= 1, "train.logprob_chunk: must be >= 1")
-    batch = g.prompts_per_step * g.group_size
-    need(batch >= t.num_workers,
-         f"grpo.prompts_per_step x grpo.group_size ({batch}) must be >= train.num_workers ({t.num_workers})")
-    need(r.replicas >= 1, "rollout.replicas: must be >= 1")
-    need(r.cpus_per_replica > 0, "rollout.cpus_per_replica: must be > 0")
-    need(r.tensor_parallel >= 1, "rollout.tensor_parallel: must be >= 1")
-    need(r.max_lora_rank in VLLM_LORA_RANKS,
-         f"rollout.max_lora_rank: {r.max_lora_rank} is not one of {VLLM_LORA_RANKS}")
-    need(r.kv_cache_gib >= 1, "rollout.kv_cache_gib: must be a whole number of GiB >= 1")
-    need(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization: must be in (0, 1]")
-    need(r.workers >= 1, "rollout.workers: must be >= 1")
-    need(r.groups_per_worker >= 1, "rollout.groups_per_worker: must be >= 1")
-    need(1 <= r.http_port <= 65535, "rollout.http_port: must be a TCP port")
-    need(r.max_body_bytes >= 1024, f"rollout.max_body_bytes: must be >= 1024, got {r.max_body_bytes}")
-    need(r.max_inflight_per_replica is None or r.max_inflight_per_replica >= 1,
-         f"rollout.max_inflight_per_replica: must be >= 1 or null, got {r.max_inflight_per_replica}")
-    need(cfg.router.imbalance >= 1, "router.imbalance: must be >= 1")
-    need(cfg.router.max_tracked_blocks >= 1, "router.max_tracked_blocks: must be >= 1")
-    need(s.mode in ("adapter", "merge"), f"sync.mode: {s.mode!r} is not adapter or merge")
-    need(s.every >= 1, "sync.every: must be >= 1")
-    need(s.every - 1 <= s.max_staleness,
-         f"sync.every: {s.every} publishes too rarely for sync.max_staleness {s.max_staleness}: samples of the "
-         f"newest published version would already be stale; keep every <= max_staleness + 1")
-    need(s.delta_threshold >= 0, "sync.delta_threshold: must be >= 0")
-    need(s.max_staleness >= 0, "sync.max_staleness: must be >= 0")
-    need(s.max_loras is None or s.max_loras >= s.max_staleness + 2,
-         f"sync.max_loras: {s.max_loras} < sync.max_staleness + 2 ({s.max_staleness + 2}): live versions, "
-         "their in-flight predecessors and a swap slot must fit")
-    if s.mode == "adapter":
-        need(lo.rank <= r.max_lora_rank,
-             f"lora.rank: {lo.rank} exceeds rollout.max_lora_rank {r.max_lora_rank}; raise max_lora_rank or "
-             "set sync.mode=merge")
-    need(cfg.checkpoint.every >= 0, "checkpoint.every: must be >= 0")
-    need(cfg.checkpoint.keep >= 1, "checkpoint.keep: must be >= 1")
-    need(cfg.run.mode in ("async", "sync"), f"run.mode: {cfg.run.mode!r} is not async or sync")
-    need(cfg.run.stall_timeout_s > 0, "run.stall_timeout_s: must be > 0")
-    need(all(x in LOGGER_PACKAGES for x in cfg.run.loggers),
-         f"run.loggers: {cfg.run.loggers!r} has unknown entries (known: {', '.join(LOGGER_PACKAGES)})")
-    for name in cfg.run.loggers:
-        mods, extra = LOGGER_PACKAGES.get(name, ((), ""))
-        need(not mods or any(importlib.util.find_spec(m) is not None for m in mods),
-             f"run.loggers: {name} needs the `{mods[0] if mods else name}` package, which is not installed: "
-             f"pip install -e '.[{extra}]' (or pip install {mods[0] if mods else name})")
-    need(bool(cfg.run.tracking_project), "run.tracking_project: must be a non-empty name")
-    need(cfg.run.log_every >= 1, f"run.log_every: must be >= 1, got {cfg.run.log_every}")
-    need(cfg.eval.every >= 1, f"eval.every: must be >= 1, got {cfg.eval.every}")
-    need(cfg.eval.samples >= 1, f"eval.samples: must be >= 1, got {cfg.eval.samples}")
-    need(cfg.eval.pass_k >= 1, f"eval.pass_k: must be >= 1, got {cfg.eval.pass_k}")
-    need(cfg.eval.path is None or bool(cfg.eval.path.strip()), "eval.path: must be null or a path")
-    need(cfg.eval.path != "builtin:letters-heldout" or cfg.data.builtin_size <= 4096,
-         f"eval.path: builtin:letters-heldout is disjoint from the first 4096 builtin:letters prompts only; "
-         f"data.builtin_size is {cfg.data.builtin_size}")
-    need(bool(cfg.run.name) and "/" not in cfg.run.name, "run.name: must be a non-empty name without '/'")
-    if p:
-        raise ConfigError(p)
+    """Raise ConfigError listing every broken rule; checks that need no model files. A section whose fields
+    do not have their annotated types skips its own rules (they read the fields as typed), and the
+    cross-section rules run only when every section is well typed."""
+    problems, well_typed = [], True
+    for section_name in _section_types():
+        section = getattr(cfg, section_name)
+        wrong_types = _type_problems(section_name, section)
+        well_typed = well_typed and not wrong_types
+        problems += wrong_types or section.problems()
+    if well_typed:
+        problems += _cross_section_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
 
 
 def needs_merge(cfg: Config) -> str | None:
@@ -579,11 +681,11 @@ def needs_merge(cfg: Config) -> str | None:
 def describe() -> str:
     """Every key with its type, default and meaning: the manual printed by `train --help`."""
     lines = []
-    for sec_name, sec_type in _section_types().items():
-        lines.append(f"{sec_name}:")
-        hints = typing.get_type_hints(sec_type)
-        for f in dataclasses.fields(sec_type):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  {sec_name}.{f.name} ({_tname(hints[f.name])}, default {default!r}): "
-                         f"{f.metadata.get('help', '')}")
+    for section_name, section_type in _section_types().items():
+        lines.append(f"{section_name}:")
+        hints = typing.get_type_hints(section_type)
+        for spec in dataclasses.fields(section_type):
+            default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
+            lines.append(f"  {section_name}.{spec.name} ({_type_name(hints[spec.name])}, default {default!r}): "
+                         f"{spec.metadata.get('help', '')}")
     return "\n".join(lines)

@@ -1,6 +1,6 @@
-"""The data cursor that survives restarts (issue 10, item 2): every prompt of an epoch is trained on
-exactly once, counted by prompt id, across any number of restarts (a resumed driver, a restored train
-worker group, a restarted rollout worker).
+"""The data cursor that survives restarts: every prompt of an epoch is trained on exactly once,
+counted by prompt id, across any number of restarts (a resumed driver, a restored train worker group,
+a restarted rollout worker).
 
 Two halves, both plain Python (no Ray), so the rules are unit-tested on their own:
 

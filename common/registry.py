@@ -1,20 +1,23 @@
-"""AdapterRegistry: the one owner of published adapter payloads.
+"""AdapterRegistry: the one owner of published adapter payloads (docs/ARCHITECTURE.md, "Versions and
+staleness" and "Serving").
 
-Protocol (DESIGN.md section 2):
+Protocol:
 - The trainer's rank 0 calls `publish.remote(version, ref, meta)` with the ObjectRef as a top-level
   argument, so this actor receives the *value* and re-puts it: objects a train worker puts die with
   that worker, objects this actor puts live as long as the registry.
-- If a router is attached, `publish` asks it to load the version on every replica; the version becomes
-  live only when the router says every replica acknowledged. Otherwise the payload is dropped and the
-  error is raised to the publisher; earlier versions keep serving.
+- If the ingress (the Serve app's entry deployment) is attached, `publish` asks it to load the version
+  on every replica; the version becomes live only when the ingress says every replica acknowledged.
+  Otherwise the payload is dropped and the error is raised to the publisher; earlier versions keep
+  serving.
 - Replicas fetch payloads by version with `get` (also on restart, for every live version).
 
-It is an async actor so `get` calls from replicas are served while `publish` awaits the router.
+It is an async actor so `get` calls from replicas are served while `publish` awaits the ingress.
 
-A replica (or the router ingress) lost while a version loads fails that load on every replica (all or
-nothing, rolled back); the registry then tries again, through a fresh handle, until the service has
-replaced or dropped the lost process (bounded by LOAD_RETRY_DEADLINE_S, counted in `load_retries`). A
-restarted replica loads every live version itself. A replica that refuses the payload is not retried.
+Faults (docs/ARCHITECTURE.md, "Faults"): a replica (or the ingress) lost while a version loads fails
+that load on every replica (all or nothing, rolled back); the registry then tries again through a fresh
+handle until Serve has replaced or dropped the lost process (`common.faults.ADAPTER_LOAD`, counted in
+the record's `load_retries`). A restarted replica loads every live version itself. A replica that
+refuses the payload is not retried.
 """
 from __future__ import annotations
 
@@ -23,18 +26,8 @@ import time
 
 import ray
 
+from common import faults
 from common.names import NAMESPACE, REGISTRY_NAME
-
-LOAD_RETRY_DEADLINE_S = 180.0
-_LOST = ("ActorDiedError", "RayActorError", "ActorUnavailableError", "ReplicaUnavailableError",
-         "DeploymentUnavailableError", "ActorUnschedulableError")
-
-
-def _lost(e: BaseException) -> bool:
-    """A load that failed because a replica or the ingress died, not because a replica refused it."""
-    import ray.exceptions as rex
-
-    return isinstance(e, (rex.RayActorError, rex.ActorUnschedulableError)) or any(n in str(e) for n in _LOST)
 
 
 @ray.remote(num_cpus=0)
@@ -43,25 +36,24 @@ class AdapterRegistry:
         self._refs: dict[int, ray.ObjectRef] = {}
         self._meta: dict[int, dict] = {}
         self._live: list[int] = []
-        self._history: list[dict] = []
-        self._router = None  # DeploymentHandle of the router ingress
-        self._router_args: tuple | None = None
-        self.load_retries = 0
+        self._ingress = None  # DeploymentHandle of the Serve app's ingress
+        self._ingress_args: tuple | None = None
         self._keep = keep  # live versions: max_staleness + 1 (replicas hold one more slot for the swap)
         self._expiring: set[asyncio.Future] = set()  # expire calls in flight (kept from the GC)
         self.expired_aborts = self.expire_errors = 0
         self._last_expire_error: str | None = None
 
-    async def attach_router(self, app_name: str | None, deployment_name: str | None = None) -> None:
-        """Attach the router ingress (`serve.get_app_handle(app_name)`), or detach with None."""
+    async def attach_ingress(self, app_name: str | None, deployment_name: str | None = None) -> None:
+        """Attach the app's ingress (`serve.get_app_handle(app_name)`, or the named deployment of that
+        app), or detach with None."""
         if app_name is None:
-            self._router = self._router_args = None
+            self._ingress = self._ingress_args = None
             return
         from ray import serve
 
-        self._router_args = (app_name, deployment_name)
-        self._router = (serve.get_deployment_handle(deployment_name, app_name) if deployment_name
-                        else serve.get_app_handle(app_name))
+        self._ingress_args = (app_name, deployment_name)
+        self._ingress = (serve.get_deployment_handle(deployment_name, app_name) if deployment_name
+                         else serve.get_app_handle(app_name))
 
     async def publish(self, version: int, tensors: dict, meta: dict) -> dict:
         """Store a payload (tensors arrive resolved), have every replica load it, mark it live."""
@@ -73,32 +65,33 @@ class AdapterRegistry:
         self._refs[version] = ref
         self._meta[version] = dict(meta, version=version)
         load_s = 0.0
-        attempt = 0
-        if self._router is not None:
+        retries = 0
+        if self._ingress is not None:
             t1 = time.perf_counter()
-            deadline = time.monotonic() + LOAD_RETRY_DEADLINE_S
-            while True:
-                try:
-                    await self._router.load_adapter.remote(version)
-                    break
-                except Exception as e:
-                    attempt += 1
-                    if not _lost(e) or time.monotonic() > deadline or self._router_args is None:
-                        self._forget(version)
-                        raise
-                    self.load_retries += 1
-                    await asyncio.sleep(min(2.0 * attempt, 10.0))
-                    await self.attach_router(*self._router_args)  # a fresh handle (the ingress may be new)
+
+            async def load():
+                return await self._ingress.load_adapter.remote(version)
+
+            async def fresh_handle(retry: int, error: BaseException) -> None:
+                nonlocal retries
+                retries = retry
+                await self.attach_ingress(*self._ingress_args)  # the ingress may be a new one
+
+            try:
+                await faults.ADAPTER_LOAD.run(
+                    load, on_retry=fresh_handle,
+                    retryable=lambda e: faults.is_lost(e) and self._ingress_args is not None)
+            except Exception:
+                self._forget(version)
+                raise
             load_s = time.perf_counter() - t1
         self._live.append(version)
         expired = self._trim()
-        if expired and self._router is not None:
+        if expired and self._ingress is not None:
             self._expiring.add(asyncio.ensure_future(self._expire(expired)))
-        rec = {"version": version, "nbytes": meta.get("nbytes", 0), "kind": meta.get("kind", "adapter"),
-               "load_retries": attempt if self._router is not None else 0,
-               "seconds": time.perf_counter() - t0, "replica_load_seconds": load_s, "time": time.time()}
-        self._history.append(rec)
-        return rec
+        return {"version": version, "nbytes": meta.get("nbytes", 0), "kind": meta.get("kind", "adapter"),
+                "load_retries": retries, "seconds": time.perf_counter() - t0, "replica_load_seconds": load_s,
+                "time": time.time()}
 
     def _check_new(self, version: int) -> None:
         if version in self._meta:
@@ -130,9 +123,6 @@ class AdapterRegistry:
     async def latest_version(self) -> int:
         return max(self._live) if self._live else 0
 
-    async def history(self) -> list[dict]:
-        return list(self._history)
-
     async def retire(self, version: int) -> None:
         """Stop offering a version to new requests (the payload stays until trimmed)."""
         if version in self._live:
@@ -157,11 +147,11 @@ class AdapterRegistry:
         the adapter slots they hold free up now rather than when 1,000-token completions end. Off the
         publish path; best effort (missed, they finish and are dropped as stale)."""
         try:
-            out = await self._router.expire.remote(versions)
+            out = await self._ingress.expire.remote(versions)
             self.expired_aborts += int(out.get("aborted", 0))
         except Exception as e:  # the ingress is being replaced: nothing is lost but the early abort
             self.expire_errors += 1
-            self._last_expire_error = f"{type(e).__name__}: {e}"[:300]
+            self._last_expire_error = faults.short_error(e)
         finally:
             self._expiring.discard(asyncio.current_task())
 
@@ -178,7 +168,3 @@ class AdapterRegistry:
 
 def get_or_create_registry(keep: int = 3):
     return AdapterRegistry.options(name=REGISTRY_NAME, namespace=NAMESPACE, get_if_exists=True).remote(keep)
-
-
-def get_registry():
-    return ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE)

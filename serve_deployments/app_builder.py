@@ -1,16 +1,15 @@
-"""Assemble and start the Serve application: the Ingress in front of R vLLM replicas, and the
-`python -m app serve` command that serves a model (and optionally a saved adapter) until interrupted."""
+"""Assemble and start the Serve application: the Ingress in front of R vLLM replicas. `start_service` is
+the one place Serve itself is started (`serve.start`), for a training run, `python -m app serve` and
+`python -m app eval` alike."""
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import signal
-import sys
 import time
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from ray.serve.schema import LoggingConfig
 
 from common.config import Config
 from serve_deployments.ingress import ADMIN_TOKEN_ENV, Ingress
@@ -59,9 +58,10 @@ def max_inflight_per_replica(cfg: Config) -> int:
 
 
 def start_service(cfg: Config, registry_name: str | None = None, registry_namespace: str | None = None,
-                  registry=None) -> serve.handle.DeploymentHandle:
-    """Run the app (name rollout.app_name, route prefix "/", HTTP on rollout.http_port) and attach the
-    registry to it, so publishes load on every replica. Returns the ingress handle."""
+                  registry=None, logging_config: LoggingConfig | None = None) -> serve.handle.DeploymentHandle:
+    """Start Serve (HTTP on rollout.http_port; `logging_config` for its controller and proxy), run the app
+    (name rollout.app_name, route prefix "/") and attach the registry to it, so publishes load on every
+    replica. Returns the ingress handle."""
     import ray
 
     from common.registry import NAMESPACE, REGISTRY_NAME, get_or_create_registry
@@ -71,11 +71,11 @@ def start_service(cfg: Config, registry_name: str | None = None, registry_namesp
     if registry is None:
         registry = (get_or_create_registry() if (registry_name, registry_namespace) == (REGISTRY_NAME, NAMESPACE)
                     else ray.get_actor(registry_name, namespace=registry_namespace))
-    # No-op (with a warning) when Serve already runs, e.g. on another port in tests.
-    serve.start(http_options={"host": "0.0.0.0", "port": cfg.rollout.http_port})
+    # No-op (with a warning) when Serve already runs, e.g. on another port in tests: it keeps its settings.
+    serve.start(http_options={"host": "0.0.0.0", "port": cfg.rollout.http_port}, logging_config=logging_config)
     handle = serve.run(build_app(cfg, registry_name, registry_namespace), name=cfg.rollout.app_name,
                        route_prefix="/")
-    ray.get(registry.attach_router.remote(cfg.rollout.app_name))
+    ray.get(registry.attach_ingress.remote(cfg.rollout.app_name))
     return handle
 
 
@@ -88,7 +88,7 @@ def start_with_adapter(cfg: Config, registry, payload: tuple[dict, dict] | None 
 
     version = None
     if payload is not None:
-        ray.get(registry.attach_router.remote(None))  # no app yet: the registry just holds it, live
+        ray.get(registry.attach_ingress.remote(None))  # no app yet: the registry just holds it, live
         version = ray.get(registry.latest_version.remote()) + 1
         ray.get(registry.publish.remote(version, ray.put(payload[0]), payload[1]))
     return start_service(cfg, registry=registry), version
@@ -125,59 +125,3 @@ def read_adapter_payload(adapter_dir: str, sets: list[str]) -> tuple[tuple[dict,
     tensors, peft_cfg = read_peft_dir(adapter_dir)
     payload = (tensors, make_meta(tensors, peft_cfg, kind="adapter", source=str(adapter_dir)))
     return payload, _adapter_rank_sets(int(peft_cfg.get("r", 8)), sets)
-
-
-def serve_main(argv: list[str] | None = None) -> int:
-    """`python -m app serve --model DIR [--adapter DIR] [--replicas N] [--port 8000]`."""
-    p = argparse.ArgumentParser(prog="python -m app serve", description=(
-        "Serve a model (and optionally a saved PEFT adapter as policy-v1 / policy-latest) behind the "
-        "OpenAI-compatible prefix-aware router until interrupted."))
-    p.add_argument("--model", required=True, help="HF model directory")
-    p.add_argument("--adapter", help="saved PEFT adapter directory, published as policy-v1")
-    p.add_argument("--replicas", type=int, default=None, help="vLLM replicas (default rollout.replicas)")
-    p.add_argument("--port", type=int, default=None, help="HTTP port (default rollout.http_port)")
-    p.add_argument("--config", help="YAML config for the rest (engine, router, admin token)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    p.add_argument("--address", default=None, help="Ray cluster to join (default: running cluster or new local)")
-    args = p.parse_args(argv)
-
-    import ray
-
-    from common import config as config_mod
-    from common.adapter_io import AdapterError
-    from common.registry import get_or_create_registry
-
-    sets = list(args.set) + [f"model.path={args.model}", "model.build_tiny=false"]
-    if args.replicas is not None:
-        sets.append(f"rollout.replicas={args.replicas}")
-    if args.port is not None:
-        sets.append(f"rollout.http_port={args.port}")
-    payload = None
-    try:
-        if args.adapter:  # read before starting anything: a bad directory fails fast
-            payload, sets = read_adapter_payload(args.adapter, sets)
-        cfg = config_mod.load(args.config, sets)
-    except (config_mod.ConfigError, AdapterError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-    address = args.address or cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
-    ray.init(address=address or None, ignore_reinit_error=True)
-    registry = get_or_create_registry()
-    handle, version = start_with_adapter(cfg, registry, payload)
-    if version is not None:
-        print(f"published {args.adapter} as policy-v{version} (policy-latest)", flush=True)
-    body = wait_healthy(handle)
-    print(f"serving {cfg.model.path} on http://127.0.0.1:{cfg.rollout.http_port}/v1 "
-          f"({body['replicas']} replicas, live: {body['live'] or 'base only'}); Ctrl-C to stop", flush=True)
-    # SIGTERM (docker stop, Kubernetes, a background job) stops it like Ctrl-C: app deleted, Ray shut down.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("stopping", flush=True)
-    finally:
-        serve.delete(cfg.rollout.app_name)
-        ray.shutdown()
-    return 0

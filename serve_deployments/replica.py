@@ -1,6 +1,6 @@
 """RolloutReplica: one Ray Serve replica running one vLLM AsyncLLM with LoRA adapters.
 
-Protocol (DESIGN.md section 2), this replica's side:
+Protocol (docs/ARCHITECTURE.md, "Versions and staleness" and "Serving"), this replica's side:
 - Adapters arrive by version from the AdapterRegistry, are verified (digest, shapes against the base
   model) and written as PEFT dirs on tmpfs, then `add_lora`-ed before any request names them.
 - Start/restart: every live version is loaded in `__init__`, before Serve marks the replica healthy.
@@ -483,7 +483,7 @@ class RolloutReplica:
                 self._open.set()
                 path.unlink(missing_ok=True)
         return {"version": version, "already": False, "replica_id": self.replica_id,
-                "seconds": time.perf_counter() - t0}
+                "seconds": time.perf_counter() - t0, "lora_wrappers": self._merged.lora_wrappers}
 
     # ------------------------------------------------------------------ introspection
 

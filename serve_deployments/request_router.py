@@ -1,7 +1,7 @@
 """Prefix-aware routing: the decision (`RoutingPolicy`), the per-call request that carries it to Serve
 (`RouteTicket`), and the Serve RequestRouter that asks it (`PolicyRouter`).
 
-Who does what (DESIGN.md section 2, "Routing"):
+Who does what (docs/ARCHITECTURE.md, "Serving"):
 - the ingress owns one `RoutingPolicy` (its state and counters: `Ingress.stats` reads them there);
 - for each replica call it makes a `RouteTicket` (the policy, the prompt's route key from
   prefix_hash.route_key, a call id) and passes it to the public `DeploymentHandle.choose_replica(route=ticket)`;

@@ -115,6 +115,7 @@ class MergedTransport:
         self.engine, self.shapes, self.scratch = engine, shapes, scratch
         self.version = 0
         self.sha256: str | None = None
+        self.lora_wrappers = 0  # LoRA-wrapped layers the last swap loaded around (weight_update.py)
 
     def holds(self, version: int, meta: dict) -> bool:
         """True when the engine already runs these weights (a tagged version carries the same digest)."""
@@ -136,7 +137,9 @@ class MergedTransport:
         """Load staged weights in place; no request may run meanwhile (the caller closed admission).
         Adapters were deltas on the old base: the caller drops them."""
         try:
-            await self.engine.collective_rpc("load_merged_weights", args=(str(path),))
+            results = await self.engine.collective_rpc("load_merged_weights", args=(str(path),))
+            self.lora_wrappers = max((r.get("lora_wrappers", 0) for r in results or [] if isinstance(r, dict)),
+                                     default=0)
             await self.engine.reset_prefix_cache()  # old base-model blocks are stale
             self.version, self.sha256 = version, sha256
         finally:

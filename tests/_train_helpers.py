@@ -1,4 +1,5 @@
-"""Shared pieces of the trainer tests: a tiny model, small configs, and a torchrun launcher."""
+"""Shared pieces of the trainer tests: a tiny model, small configs, a torchrun launcher, and the
+test-only worker that fails once (fault injection stays out of the production loop)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 from common.config import Config, from_dict, validate
+from train_loops.worker import GRPOWorker, WorkerOptions, loop_config, read_loop_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,11 +57,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(loop_cfg: dict, workdir: Path, nproc: int = 2, timeout: int = 240) -> str:
-    """Run train_loops.worker under torchrun; returns combined output, raises with it on failure."""
+def run_torchrun(cfg: Config, options: WorkerOptions, workdir: Path, nproc: int = 2, timeout: int = 240) -> str:
+    """Run train_loops.worker under torchrun with `cfg` and `options` (its JSON file goes to `workdir`);
+    returns combined output, raises with it on failure."""
     workdir.mkdir(parents=True, exist_ok=True)
     cfg_file = workdir / f"loop_cfg_{len(list(workdir.glob('loop_cfg_*')))}.json"
-    cfg_file.write_text(json.dumps(loop_cfg))
+    cfg_file.write_text(json.dumps(loop_config(cfg, options)))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
@@ -71,5 +74,45 @@ def run_torchrun(loop_cfg: dict, workdir: Path, nproc: int = 2, timeout: int = 2
     return out
 
 
-def read_steps(dump_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (dump_dir / "steps.jsonl").read_text().splitlines()]
+def read_steps(record_dir: Path) -> list[dict]:
+    """The per-step rows rank 0 wrote to WorkerOptions.record_dir."""
+    return [json.loads(line) for line in (record_dir / "steps.jsonl").read_text().splitlines()]
+
+
+class FailOnceWorker(GRPOWorker):
+    """Test-only fault injection under Ray Train: rank `fail_rank` dies like a killed process
+    (os._exit: no exception handling, no cleanup) at the start of step `fail_step`, once (`marker`, a
+    file, remembers across the restart). It dies only after Ray Train has registered every checkpoint
+    reported so far (`ray.train.get_all_reported_checkpoints` waits for that), so the group restores
+    from the last checkpoint before that step, not an earlier one: the test knows what comes next."""
+
+    def __init__(self, cfg: Config, options: WorkerOptions, *, fail_step: int, fail_rank: int, marker: str):
+        super().__init__(cfg, options)
+        self.fail_step, self.fail_rank, self.marker = fail_step, fail_rank, Path(marker)
+
+    def step(self, step: int) -> dict:
+        if step == self.fail_step and self.rank == self.fail_rank and not self.marker.exists():
+            import ray.train
+
+            ray.train.get_all_reported_checkpoints(timeout_s=120)
+            self.marker.touch()
+            os._exit(1)
+        return super().step(step)
+
+
+def fail_once_loop(fail_step: int, fail_rank: int, marker: Path):
+    """The Ray Train loop function that runs FailOnceWorker (hand it to TorchTrainer in place of
+    train_loops.worker.train_loop_per_worker). Ray's workers cannot import this module (tests/ is not
+    installed), so it travels by value with the function."""
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    def loop(config: dict) -> None:
+        from train_loops.deepspeed_setup import prepare_env
+
+        cfg, options = read_loop_config(config)
+        prepare_env(cfg.train.use_gpu)
+        FailOnceWorker(cfg, options, fail_step=fail_step, fail_rank=fail_rank, marker=str(marker)).train()
+
+    return loop

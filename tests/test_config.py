@@ -1,6 +1,10 @@
 """Config loading and validation: every broken rule fails with one message naming its key."""
+import dataclasses
+import typing
+
 import pytest
 
+from app.tiny_model import SHAPES
 from common import config as C
 
 
@@ -53,18 +57,24 @@ def test_overrides_are_typed(tmp_path):
     (["grpo.tis_cap=0.5"], "grpo.tis_cap"),
     (["reward.fn=no_colon"], "reward.fn"),
     (["rollout.kv_cache_gib=0.5"], "rollout.kv_cache_gib"),
+    (["train.profile_step=0"], "train.profile_step"),
+    (["model.tiny_shape=huge"], "model.tiny_shape"),
+    (["reward.where=remote"], "reward.where"),
+    (["grpo.loss=ppo"], "grpo.loss"),
+    (["grpo.max_new_tokens=512", "model.max_model_len=512"], "grpo.max_new_tokens"),
+    (["eval.path=builtin:letters-heldout", "data.builtin_size=5000"], "eval.path"),
 ])
 def test_each_rule_names_its_key(sets, key):
-    with pytest.raises(C.ConfigError) as e:
+    with pytest.raises(C.ConfigError) as refused:
         C.load(None, sets)
-    assert any(p.startswith(key) for p in e.value.problems), e.value.problems
+    assert any(p.startswith(key) for p in refused.value.problems), refused.value.problems
 
 
 def test_unknown_section_and_key(tmp_path):
-    with pytest.raises(C.ConfigError) as e:
+    with pytest.raises(C.ConfigError) as refused:
         _load(tmp_path, "grpo:\n  learning_rate: 1\nmodle:\n  path: x\n")
-    assert "grpo.learning_rate: unknown key" in e.value.problems
-    assert any(p.startswith("modle: unknown section") for p in e.value.problems)
+    assert "grpo.learning_rate: unknown key" in refused.value.problems
+    assert any(p.startswith("modle: unknown section") for p in refused.value.problems)
 
 
 def test_bad_files(tmp_path):
@@ -77,9 +87,9 @@ def test_bad_files(tmp_path):
 
 
 def test_several_problems_reported_together():
-    with pytest.raises(C.ConfigError) as e:
+    with pytest.raises(C.ConfigError) as refused:
         C.load(None, ["lora.rank=0", "train.zero_stage=9"])
-    assert len(e.value.problems) == 2
+    assert len(refused.value.problems) == 2
 
 
 def test_merge_fallback_reason():
@@ -102,3 +112,61 @@ def test_allowed_values_are_one_literal():
     assert "grpo.loss_agg (" + " | ".join(C.LOSS_AGGS) in C.describe()
     assert C.load(None, ["train.use_gpu=true"]).torch_dtype == C.resolve_dtype("auto", True) == "bfloat16"
     assert C.resolve_dtype("float16", False) == "float16"
+
+
+def test_profile_step_is_typed_and_optional():
+    assert C.load(None, []).train.profile_step is None
+    assert C.load(None, ["train.profile_step=3"]).train.profile_step == 3
+    assert "train.profile_step (int or null, default None)" in C.describe()
+
+
+def _literal_fields():
+    for section_name, section_type in typing.get_type_hints(C.Config).items():
+        for name, annotation in typing.get_type_hints(section_type).items():
+            if typing.get_origin(annotation) is typing.Literal:
+                yield f"{section_name}.{name}", typing.get_args(annotation)
+
+
+@pytest.mark.parametrize("key, allowed", list(_literal_fields()))
+def test_every_choice_is_checked_against_its_literal(key, allowed):
+    """The validator accepts exactly a Literal's values, names them when refusing one, and `describe()`
+    prints them; no choice is spelled out a second time."""
+    for value in allowed:
+        try:
+            C.load(None, [f"{key}={value}"])
+        except C.ConfigError as error:  # a value may break a rule of another key (liger_kernels=on needs a GPU)
+            assert not any(p.startswith(f"{key}:") and "is not" in p for p in error.problems), error.problems
+    with pytest.raises(C.ConfigError) as refused:
+        C.load(None, [f"{key}=not-a-choice"])
+    assert any(p.startswith(f"{key}: 'not-a-choice' is not") and all(str(v) in p for v in allowed)
+               for p in refused.value.problems), refused.value.problems
+    assert f"  {key} ({' | '.join(str(v) for v in allowed)}, default" in C.describe()
+
+
+def test_literals_name_what_other_modules_build():
+    assert typing.get_args(C.TinyShape) == tuple(SHAPES)
+    assert C.VLLM_LORA_RANKS == (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def test_each_section_states_its_own_rules():
+    """A section's rules need only that section; defaults break none of them."""
+    for section_type in typing.get_type_hints(C.Config).values():
+        assert section_type().problems() == []
+    assert C.SyncConfig(max_staleness=4, max_loras=5).problems()[0].startswith("sync.max_loras:")
+    assert C.TrainConfig(profile_step=0).problems() == ["train.profile_step: must be null or >= 1, got 0"]
+
+
+def test_cross_section_rules():
+    """lora.rank is bound by rollout.max_lora_rank only in adapter mode (merge mode pushes full weights); a
+    section with a wrongly typed field skips the cross-section rules but the other sections' rules still run."""
+    C.load(None, ["lora.rank=16", "rollout.max_lora_rank=8", "sync.mode=merge"])
+    with pytest.raises(C.ConfigError) as refused:
+        C.load(None, ["grpo.max_new_tokens=600", "sync.every=0", "model.max_model_len=many"])
+    assert refused.value.problems == ["model.max_model_len: expected int, got 'many'", "sync.every: must be >= 1"]
+
+
+def test_round_trip_through_dict():
+    cfg = C.load("recipes/qwen2.5-math-1.5b-lora-r1.yaml", ["train.profile_step=2"])
+    again = C.from_dict(cfg.to_dict())
+    C.validate(again)
+    assert again == cfg and dataclasses.asdict(again) == cfg.to_dict()

@@ -1,4 +1,4 @@
-"""The console of `python -m app train` (issue 11): quiet by default. A short real run of the tiny recipe
+"""The console of `python -m app train`: quiet by default. A short real run of the tiny recipe
 prints at most 60 lines (a progress bar updating in place with \\r counts once), shows the start lines,
 summary lines and the final summary, and the engines' logs land in RUN_DIR/logs/."""
 import os

@@ -29,13 +29,13 @@ def _wait_for(pred, timeout=10.0):
 
 def test_ctrl_c_once_requests_a_stop_twice_stops_at_once(ray_local):
     from app.buffer import RolloutBuffer
-    from app.driver import _CtrlC
+    from app.watch import CtrlC
 
     ray = ray_local
-    buf = RolloutBuffer.remote(max_staleness=1, groups_per_step=2)
+    buf = RolloutBuffer.remote(max_staleness=1, groups_per_step=2, rows=[])
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
-        with _CtrlC(buf) as ctrl_c:
+        with CtrlC(buf) as ctrl_c:
             assert not ray.get(buf.stop_requested.remote())
             os.kill(os.getpid(), signal.SIGINT)
             # the first Ctrl-C only tells the buffer; the driver keeps waiting for the checkpoint

@@ -147,7 +147,7 @@ def test_exactly_once_across_random_kills(seed):
 def _buffer(rows=ROWS, consumed=None, max_staleness=0, per_step=2):
     from app.buffer import RolloutBuffer
 
-    return RolloutBuffer.__ray_actor_class__(max_staleness, per_step, None, rows, 0, 1, consumed)
+    return RolloutBuffer.__ray_actor_class__(max_staleness, per_step, rows, seed=0, epochs=1, consumed=consumed)
 
 
 def _group(epoch, pid, version=0):
@@ -204,9 +204,9 @@ def test_buffer_resumed_from_a_record_skips_it():
     async def go():
         b = _buffer(consumed=ConsumedPrompts({0: {"p0", "p1", "p2", "p3", "p4"}}).to_state(), max_staleness=5,
                     per_step=1)
-        got = [await b.acquire() for _ in range(2)]
+        got = [await b.acquire(0) for _ in range(2)]
         assert {g["row"]["id"] for g in got} == {"p5", "p6"}
-        assert await b.acquire() is False  # one epoch: the data ran out
+        assert await b.acquire(0) is None  # one epoch: the data ran out
 
     asyncio.run(go())
 
@@ -238,7 +238,7 @@ def test_resume_refuses_with_one_line_and_exit_2(tmp_path, capsys):
     import yaml
 
     from app.__main__ import main
-    from app.driver import find_checkpoint, prepare_resume
+    from app.resume import find_checkpoint, prepare_resume
     from common.config import Config
 
     run = tmp_path / "r"

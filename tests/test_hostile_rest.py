@@ -70,7 +70,7 @@ def svc(serve_env):
     finally:
         stop.set()
     yield {"handle": handle, "url": url, "v1": version, "sha1": payload[1]["sha256"], "polls": polls, "cfg": cfg}
-    ray.get(serve_env.registry.attach_router.remote(None))
+    ray.get(serve_env.registry.attach_ingress.remote(None))
     serve.delete(APP)
     retire_all(serve_env.registry)
 
@@ -100,11 +100,11 @@ def assert_openai_error(r: httpx.Response, model_dir, statuses=range(400, 500)):
 # ---------------------------------------------------------------- the cases: (name, method, path, request kwargs)
 
 def test_error_messages_are_scrubbed():
-    from serve_deployments import ingress
+    from serve_deployments import openai_body
 
-    ingress._add_scrub_roots("runs/tiny-model")
-    msg = ingress.error_body(400, "runs/tiny-model is not multimodal; see /tmp/pytest-of-x/model/config.json "
-                                  "and /work/main/app.py, not /v1/completions")["error"]["message"]
+    openai_body.add_scrub_roots("runs/tiny-model")
+    msg = openai_body.error_body(400, "runs/tiny-model is not multimodal; see /tmp/pytest-of-x/model/config.json "
+                                      "and /work/main/app.py, not /v1/completions")["error"]["message"]
     assert msg == "base is not multimodal; see <path> and <path>, not /v1/completions", msg
 
 
@@ -179,7 +179,7 @@ def test_health_ready_only_when_live_versions_loaded(serve_env, svc, client):
 
     # A version the registry marks live that the replica does not hold yet: 503 with a reason.
     reg = serve_env.registry
-    ray.get(reg.attach_router.remote(None))
+    ray.get(reg.attach_ingress.remote(None))
     v2 = ray.get(reg.latest_version.remote()) + 1
     try:
         tensors, meta = make_lora_payload(serve_env.model_dir, seed=8)
@@ -192,7 +192,7 @@ def test_health_ready_only_when_live_versions_loaded(serve_env, svc, client):
         assert svc["handle"].load_adapter.remote(v2).result()["replicas"] == 1
         assert client.get("/health").status_code == 200
     finally:
-        ray.get(reg.attach_router.remote(APP))
+        ray.get(reg.attach_ingress.remote(APP))
 
 
 def test_served_version_and_digest(serve_env, svc, client):
@@ -241,9 +241,8 @@ def test_rollout_worker_counts_version_mismatches(serve_env, svc, tmp_path):
     from app.metrics import RunMetrics
     from app.rollout_worker import RolloutWorker
 
-    metrics = RunMetrics.remote(str(tmp_path))
-    rows = [{"id": "r0", "prompt": "Say the letter K, not Q or Z.", "answer": "K"}]
-    worker = RolloutWorker.remote(svc["cfg"].to_dict(), 0, rows, None, metrics)
+    metrics = RunMetrics.options(name="mismatch-metrics", namespace="lora_grpo").remote(str(tmp_path))
+    worker = RolloutWorker.remote(svc["cfg"].to_dict(), 0, None, "mismatch-metrics")
     outs = svc["handle"].generate_group.remote(prompt_ids(serve_env.model_dir, "hi"), 2, None,
                                                {"max_tokens": 2}).result()
     ray.get(worker._check_served.remote(outs))

@@ -3,12 +3,14 @@ small tensors, and, for every loss, gradients summed over unequal micro-batches 
 the whole batch's gradient."""
 import dataclasses
 import math
+import typing
 
 import pytest
 import torch
 
 from common import config as C
 from common.config import GRPOConfig
+from common.loss_names import LOSS_NAMES
 from train_loops.losses import LOSSES, agg_loss, get_policy_loss, register_policy_loss
 
 # Two sequences of uneven length; the second's last position is padding (its values must not matter).
@@ -47,7 +49,8 @@ def k3(b, j):
 # ---------------------------------------------------------------- registry and config
 
 def test_registry_is_the_config_list():
-    assert LOSSES == C.LOSS_NAMES == ("grpo", "dr_grpo", "gspo", "cispo", "dapo")
+    assert LOSSES == LOSS_NAMES == ("grpo", "dr_grpo", "gspo", "cispo", "dapo")
+    assert typing.get_args(typing.get_type_hints(GRPOConfig)["loss"]) == LOSSES  # what the config accepts
     for name in LOSSES:
         assert callable(get_policy_loss(name))
     with pytest.raises(ValueError, match="grpo.loss: 'ppo' is not one of"):

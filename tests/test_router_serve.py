@@ -30,7 +30,7 @@ def svc(serve_env):
     handle = start_service(cfg, registry=serve_env.registry)
     wait_healthy(handle, timeout_s=240)
     yield handle
-    ray.get(serve_env.registry.attach_router.remote(None))
+    ray.get(serve_env.registry.attach_ingress.remote(None))
     serve.delete(APP)
     retire_all(serve_env.registry)
 
@@ -196,9 +196,10 @@ def test_expired_version_aborts_its_rollouts_only(serve_env, svc, versions):
         assert ray.get(reg.live_versions.remote())[-2:] == [v2, v3]
         with pytest.raises(Exception, match="VersionExpiredError|expired") as err:
             rollout.result(timeout_s=120)
-        from app.rollout_worker import _expired, _lost
+        from app.rollout_worker import _expired
+        from common.faults import is_lost
 
-        assert _expired(err.value) and not _lost(err.value)  # what the worker tells apart: requeue, no retry
+        assert _expired(err.value) and not is_lost(err.value)  # what the worker tells apart: requeue, no retry
         (kept,) = other.result(timeout_s=300)
         assert kept["version"] == v1 and len(kept["token_ids"]) == 400 and kept["finish_reason"] == "length"
         deadline = time.monotonic() + 30

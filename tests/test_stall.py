@@ -59,11 +59,12 @@ def test_nothing_generated_fails_with_the_reason(ray_local, tiny_model_dir, tmp_
     import ray
 
     from app import driver
+    from app.watch import StallError
 
     cfg = _cfg(tiny_model_dir, tmp_path, reward__fn="tests.test_stall:never_returns", train__total_steps=3,
                run__stall_timeout_s=15, run__name="stalled")
     t0 = time.monotonic()
-    with pytest.raises(driver.StallError) as e:
+    with pytest.raises(StallError) as e:
         driver.run(cfg, progress=False)
     msg = str(e.value)
     assert "no step and no generation" in msg and "buffer" in msg and "registry live versions" in msg

@@ -1,7 +1,8 @@
 """The loop under a real Ray Train TorchTrainer (2 workers, gloo): checkpoints through ray.train.report,
 publishes into a real AdapterRegistry, logs to RunMetrics, survives a killed worker by restoring the
 last checkpoint; then a resumed run in merge mode pulls from a real RolloutBuffer (rank 0 pulls,
-broadcasts) and continues the version numbering."""
+broadcasts) and continues the version numbering. The worker failure comes from a test-only subclass
+of the loop's worker (tests/_train_helpers.FailOnceWorker), never from the production loop."""
 import json
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _train_helpers import small_config, tiny_model  # noqa: E402
+from _train_helpers import fail_once_loop, small_config, tiny_model  # noqa: E402
 
 
 @pytest.fixture
@@ -23,7 +24,7 @@ def ray_session():
 
 
 @pytest.mark.slow
-def test_torchtrainer_checkpoints_publishes_restores_and_resumes_from_buffer(ray_session, tmp_path):
+def test_torchtrainer_checkpoints_publishes_restores_and_resumes_from_buffer(ray_session, tmp_path, monkeypatch):
     ray = ray_session
     from safetensors.torch import load_file
 
@@ -31,25 +32,27 @@ def test_torchtrainer_checkpoints_publishes_restores_and_resumes_from_buffer(ray
     from app.metrics import METRICS_NAME, RunMetrics
     from common.adapter_io import tensors_digest
     from common.registry import NAMESPACE, REGISTRY_NAME, AdapterRegistry
+    from common.types import Group
+    from train_loops import trainer
     from train_loops.batches import synthetic_batch
-    from train_loops.trainer import build_trainer
+    from train_loops.worker import WorkerOptions
 
     registry = AdapterRegistry.options(name=REGISTRY_NAME, namespace=NAMESPACE).remote(keep=3)
     metrics = RunMetrics.options(name=METRICS_NAME, namespace=NAMESPACE).remote(str(tmp_path / "run"))
     model = tiny_model()
     cfg = small_config(model, train={"total_steps": 3}, checkpoint={"every": 1, "keep": 2}, run={"name": "a"})
 
-    # rank 1 dies at the start of step 3; Ray Train restarts both workers from checkpoint_000002
+    # rank 1 dies at the start of step 3, once Ray Train has registered checkpoint_000002: both workers
+    # restart from it and step 3 runs again (its version too: the failed attempt published nothing)
     marker = tmp_path / "failed-once"
-    result = build_trainer(cfg, tmp_path / "run", batch_source="synthetic",
-                           extra_loop_cfg={"fail_once_at": {"step": 3, "rank": 1, "marker": str(marker)}}).fit()
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "train_loop_per_worker", fail_once_loop(3, 1, marker))
+        result = trainer.build_trainer(cfg, tmp_path / "run", options=WorkerOptions(batch_source="synthetic")).fit()
     assert result.error is None and marker.exists()
     ck = Path(result.checkpoint.path)
     state = json.loads((ck / "train_state.json").read_text())
-    # 3, or 4 when the worker died before the controller registered checkpoint_000002: then the run
-    # restored checkpoint_000001 and redid step 2 under a new version (versions are never reused)
     v = state["version"]
-    assert state["step"] == 3 and v in (3, 4)
+    assert state["step"] == 3 and v == 3
     assert state["consumed_groups"] == 3 * 4
     assert {p.name for p in (ck / "ds").iterdir()} >= {"zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                                          "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
@@ -59,29 +62,29 @@ def test_torchtrainer_checkpoints_publishes_restores_and_resumes_from_buffer(ray
     assert got["meta"]["kind"] == "adapter" and got["meta"]["sha256"] == tensors_digest(exported)
     assert got["meta"]["peft_config"]["r"] == 4
     rows = ray.get(metrics.get_rows.remote())
-    assert rows[-1]["step"] == 3 and all(r["published"] == 1 for r in rows)
-    # one row per step (a step redone after the restore replaces its row); versions only grow
-    versions = [r["version"] for r in rows]
-    assert [r["step"] for r in rows] == [1, 2, 3] and versions == sorted(set(versions)) and versions[-1] == v
+    assert all(r["published"] == 1 for r in rows)
+    # every step once (a step redone after the restore replaces its row), versions strictly increasing
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["version"] for r in rows] == [1, 2, 3]
 
     # Resume in buffer + merge mode: rank 0 pulls one step's groups, broadcasts; version continues at v + 1.
-    g = cfg.grpo
-    buf = RolloutBuffer.options(name=BUFFER_NAME, namespace=NAMESPACE).remote(max_staleness=2,
-                                                                             groups_per_step=g.prompts_per_step)
-    groups = synthetic_batch(7, 0, g.prompts_per_step, g.group_size, 99, g.max_new_tokens).groups
-    for grp in groups:
-        grp.version = v - 1
-        ray.get(buf.put.remote(grp))
+    grpo = cfg.grpo
+    data = [{"id": f"q{i}", "prompt": f"q{i}?", "answer": "A"} for i in range(grpo.prompts_per_step)]
+    buf = RolloutBuffer.options(name=BUFFER_NAME, namespace=NAMESPACE).remote(2, grpo.prompts_per_step, data)
+    synthetic = synthetic_batch(7, 0, grpo.prompts_per_step, grpo.group_size, 99, grpo.max_new_tokens).groups
+    for made in synthetic:  # a rollout worker's way: a slot (and its prompt) first, then the scored group
+        grant = ray.get(buf.acquire.remote(0))
+        group = Group(samples=made.samples, version=v - 1, prompt_id=grant["row"]["id"], epoch=grant["epoch"])
+        assert ray.get(buf.put.remote(group, 0))
     cfg_b = small_config(model, train={"total_steps": 4}, checkpoint={"every": 0, "keep": 2}, run={"name": "b"},
                          sync={"mode": "merge"})
-    result_b = build_trainer(cfg_b, tmp_path / "run", resume_from=str(ck)).fit()
+    result_b = trainer.build_trainer(cfg_b, tmp_path / "run", resume_from=str(ck)).fit()
     assert result_b.error is None
     assert json.loads((Path(result_b.checkpoint.path) / "train_state.json").read_text())["consumed_groups"] == 4 * 4
     assert ray.get(registry.latest_version.remote()) == v + 1
     last = ray.get(metrics.get_rows.remote())[-1]
     assert last["step"] == 4 and last["version"] == v + 1
     assert last["staleness_mean"] == 1.0  # groups of version v - 1 taken at trainer version v
-    assert ray.get(buf.stats.remote())["taken_groups"] == g.prompts_per_step
+    assert ray.get(buf.stats.remote())["taken_groups"] == grpo.prompts_per_step
     merged = ray.get(registry.get.remote(v + 1))
     assert merged["meta"]["kind"] == "merged"
     weights = ray.get(merged["ref"][0])

@@ -1,5 +1,5 @@
-"""Adapter publish (DESIGN.md section 2): gather the LoRA state dict, skip when nothing moved (a decision
-all ranks share), and hand the payload to the AdapterRegistry actor.
+"""Adapter publish: gather the LoRA state dict, skip when nothing moved (a decision all ranks share),
+and hand the payload to the AdapterRegistry actor (docs/ARCHITECTURE.md, "Versions and staleness").
 
 Every rank calls `AdapterPublisher.maybe_publish` at the same steps: under ZeRO-3 the gather is a
 collective, and the skip decision is an all-reduce, so no rank can run ahead into a different collective.

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.names import BUFFER_NAME, NAMESPACE
 from common.types import Group, Sample
 from train_loops.grpo import group_advantages
 
@@ -39,31 +38,31 @@ def synthetic_batch(seed: int, step: int, n_groups: int, group_size: int, vocab:
     near the uniform -log(vocab) (what a freshly initialised tiny model gives), so ratios stay near 1.
     Lengths are random (prompts 4-12, completions 2..max_new_tokens) unless `prompt_len` /
     `completion_len` fix them (speed benchmarks)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    rewards = (torch.rand(n_groups, group_size, generator=g) < 0.5).float()
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    rewards = (torch.rand(n_groups, group_size, generator=gen) < 0.5).float()
     adv = group_advantages(rewards, scale_by_std=scale_rewards)
     groups = []
-    for p in range(n_groups):
-        plen = prompt_len or int(torch.randint(4, 13, (1,), generator=g))
-        prompt = torch.randint(3, vocab, (plen,), generator=g).tolist()
+    for index in range(n_groups):
+        plen = prompt_len or int(torch.randint(4, 13, (1,), generator=gen))
+        prompt = torch.randint(3, vocab, (plen,), generator=gen).tolist()
+        prompt_id = f"s{step}-p{index}"
         samples = []
-        for k in range(group_size):
-            clen = completion_len or int(torch.randint(2, max_new_tokens + 1, (1,), generator=g))
-            comp = torch.randint(3, vocab, (clen,), generator=g).tolist()
-            blp = (-math.log(vocab) + 0.05 * torch.randn(clen, generator=g)).tolist()
+        for member in range(group_size):
+            clen = completion_len or int(torch.randint(2, max_new_tokens + 1, (1,), generator=gen))
+            comp = torch.randint(3, vocab, (clen,), generator=gen).tolist()
+            blp = (-math.log(vocab) + 0.05 * torch.randn(clen, generator=gen)).tolist()
             samples.append(Sample(prompt_ids=prompt, completion_ids=comp, behaviour_logprobs=blp,
-                                  reward=float(rewards[p, k]), advantage=float(adv[p, k]), version=step,
-                                  prompt_id=f"s{step}-p{p}", group_id=f"s{step}-p{p}"))
-        groups.append(Group(samples=samples, version=step, prompt_id=f"s{step}-p{p}"))
+                                  reward=float(rewards[index, member]), advantage=float(adv[index, member]),
+                                  version=step, prompt_id=prompt_id, group_id=prompt_id))
+        groups.append(Group(samples=samples, version=step, prompt_id=prompt_id))
     return StepBatch(groups=groups)
 
 
-def buffer_batch(trainer_version: int, n_groups: int) -> StepBatch:
-    """Rank 0 only: block on the named RolloutBuffer actor for one step's groups."""
+def buffer_batch(buffer, trainer_version: int, n_groups: int) -> StepBatch:
+    """Rank 0 only: block on the RolloutBuffer actor (`buffer`, its handle) for one step's groups."""
     import ray
 
-    buf = ray.get_actor(BUFFER_NAME, namespace=NAMESPACE)
-    out = ray.get(buf.get_batch.remote(trainer_version, n_groups))
+    out = ray.get(buffer.get_batch.remote(trainer_version, n_groups))
     return StepBatch(groups=out["groups"], staleness_mean=float(out["staleness_mean"]),
                      staleness_max=int(out["staleness_max"]), dropped_samples=int(out["dropped_samples"]),
                      wait_seconds=float(out["wait_seconds"]), filtered=list(out.get("filtered") or []))
@@ -72,26 +71,27 @@ def buffer_batch(trainer_version: int, n_groups: int) -> StepBatch:
 def collate(samples: list[Sample], pad_id: int = 0, device: str | torch.device = "cpu") -> dict:
     """Right-padded prompt+completion ids, and per completion token: the position whose hidden state
     predicts it (`pred_pos`), the token (`targets`), behaviour logprob and mask."""
-    B = len(samples)
-    L = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
-    T = max(len(s.completion_ids) for s in samples)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros(B, L, dtype=torch.long)
-    pred_pos = torch.zeros(B, T, dtype=torch.long)
-    targets = torch.zeros(B, T, dtype=torch.long)
-    behaviour = torch.zeros(B, T, dtype=torch.float32)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    for b, s in enumerate(samples):
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        if len(s.behaviour_logprobs) != c:
-            raise ValueError(f"sample {s.prompt_id}/{s.group_id}: {c} completion tokens but "
-                             f"{len(s.behaviour_logprobs)} behaviour logprobs")
-        input_ids[b, :p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
-        attn[b, :p + c] = 1
-        pred_pos[b, :c] = torch.arange(p - 1, p + c - 1)
-        targets[b, :c] = torch.tensor(s.completion_ids)
-        behaviour[b, :c] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
-        mask[b, :c] = True
+    rows = len(samples)
+    width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    completion_width = max(len(s.completion_ids) for s in samples)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    attn = torch.zeros(rows, width, dtype=torch.long)
+    pred_pos = torch.zeros(rows, completion_width, dtype=torch.long)
+    targets = torch.zeros(rows, completion_width, dtype=torch.long)
+    behaviour = torch.zeros(rows, completion_width, dtype=torch.float32)
+    mask = torch.zeros(rows, completion_width, dtype=torch.bool)
+    for row, sample in enumerate(samples):
+        n_prompt, n_completion = len(sample.prompt_ids), len(sample.completion_ids)
+        if len(sample.behaviour_logprobs) != n_completion:
+            raise ValueError(f"sample {sample.prompt_id}/{sample.group_id}: {n_completion} completion tokens but "
+                             f"{len(sample.behaviour_logprobs)} behaviour logprobs")
+        end = n_prompt + n_completion
+        input_ids[row, :end] = torch.tensor(sample.prompt_ids + sample.completion_ids)
+        attn[row, :end] = 1
+        pred_pos[row, :n_completion] = torch.arange(n_prompt - 1, end - 1)
+        targets[row, :n_completion] = torch.tensor(sample.completion_ids)
+        behaviour[row, :n_completion] = torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)
+        mask[row, :n_completion] = True
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     out = {"input_ids": input_ids, "attention_mask": attn, "pred_pos": pred_pos, "targets": targets,
            "behaviour_logp": behaviour, "mask": mask, "advantages": adv}

@@ -3,7 +3,7 @@ and process-group init that reuses what Ray Train or torchrun already set up.
 
 On CPU nothing may compile: DeepSpeed's CPU Adam / FusedAdam / optimizer offload build C++ for 70-90 s,
 and its shared-memory comm op (~45 s) is built even with DS_BUILD_OPS=0 unless `build_shm_op` is
-patched out before the comm backend starts (DESIGN.md section 3)."""
+patched out before the comm backend starts (docs/ARCHITECTURE.md, "Engine facts")."""
 from __future__ import annotations
 
 import logging

@@ -1,6 +1,7 @@
 """Policy losses: one pure function each, registered by name (verl's `register_policy_loss`), chosen by
-`grpo.loss`. The names are `common.config.POLICY_LOSSES` (the config cannot import this package); this
-module checks at import that its registry holds exactly those names.
+`grpo.loss`. The names and their help lines are `common/loss_names.py` (torch-free, so the config types
+`grpo.loss` by them without loading torch); this module checks at import that its registry holds exactly those
+names.
 
 Every loss has one signature:
 
@@ -20,8 +21,8 @@ Every loss has one signature:
 `stats` are floats over this micro-batch's real tokens: clip_frac, log_ratio_abs_mean (|logp - behaviour|),
 log_ratio_abs_max, kl, tokens, and entropy / tis_weight_mean / tis_clip_frac when they apply.
 
-Adding a loss: its name and one help line in `common.config.POLICY_LOSSES`, its options in `GRPOConfig`
-(validated in `validate`), and a function here under `@register_policy_loss(name)`.
+Adding a loss: its name and one help line in `common/loss_names.py`, its options in `GRPOConfig`
+(checked by `GRPOConfig.problems`), and a function here under `@register_policy_loss(name)`.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from collections.abc import Callable
 
 import torch
 
-from common.config import LOSS_AGGS, POLICY_LOSSES
+from common.config import LOSS_AGGS
+from common.loss_names import LOSS_NAMES
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict]]
 
@@ -40,9 +42,9 @@ AGG_MODES = LOSS_AGGS + ("seq-mean-token-sum-norm",)
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Decorator: register `fn` as the policy loss `name` (which must be in common.config.POLICY_LOSSES)."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"policy loss {name!r} is not in common.config.POLICY_LOSSES; add it there first")
+    """Decorator: register `fn` as the policy loss `name` (which must be in common.loss_names)."""
+    if name not in LOSS_NAMES:
+        raise ValueError(f"policy loss {name!r} is not in common.loss_names.POLICY_LOSSES; add it there first")
 
     def deco(fn: PolicyLoss) -> PolicyLoss:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
@@ -249,9 +251,9 @@ def cispo(logp, behaviour_logp, mask, advantages, *, opts, ref_logp=None, entrop
     return loss, stats
 
 
-# One source of truth, checked: the config's allowed names are exactly what is registered here.
-if set(_REGISTRY) != set(POLICY_LOSSES):
-    raise RuntimeError(f"train_loops.losses registers {sorted(_REGISTRY)} but common.config.POLICY_LOSSES lists "
-                       f"{sorted(POLICY_LOSSES)}")
+# One source of truth, checked: the names `grpo.loss` accepts are exactly what is registered here.
+if set(_REGISTRY) != set(LOSS_NAMES):
+    raise RuntimeError(f"train_loops.losses registers {sorted(_REGISTRY)} but common.loss_names lists "
+                       f"{sorted(LOSS_NAMES)}")
 
-LOSSES: tuple[str, ...] = tuple(POLICY_LOSSES)
+LOSSES: tuple[str, ...] = LOSS_NAMES

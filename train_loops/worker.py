@@ -1,25 +1,10 @@
 """The per-worker GRPO loop. Runs under Ray Train's TorchTrainer (runner "ray") and under plain
 torchrun (runner "torchrun": `python -m torch.distributed.run --nproc_per_node N -m train_loops.worker
-LOOP_CFG.json`), the second for fast tests without Ray.
+LOOP.json`, LOOP.json holding `loop_config(cfg, options)`), the second for fast tests without Ray.
 
-loop_cfg keys:
-  config          Config.to_dict()
-  batch_source    "buffer" (rank 0 pulls from the RolloutBuffer actor and broadcasts) | "synthetic"
-                  (a pure function of (seed, step): tests and benchmarks)
-  registry_name   AdapterRegistry actor name (publish only when given and Ray is initialised)
-  metrics_name    RunMetrics actor name (per-step rows from rank 0)
-  resume_from     checkpoint directory (a Ray Train restart's own checkpoint takes precedence)
-  runner          "ray" (default) | "torchrun"
-  checkpoint_dir  torchrun only: where checkpoint_<step> directories go
-  ds_overrides    dict merged into the DeepSpeed config
-  dump_dir        tests/debugging: rank 0 writes steps.jsonl and the final full weights (full_state.safetensors)
-  synthetic       {"prompt_len": P, "completion_len": C}: fixed synthetic lengths (speed benchmarks)
-  profile_step    N: rank 0 runs step N under torch.profiler and writes its top ops to dump_dir/profile.txt
-  fail_once_at    THE test hook for fault injection (tests and benchmarks only; the only one in the loop):
-                  {"step": N, "rank": R, "marker": path}: that rank dies (os._exit) at the start of step N
-                  once (the marker file remembers), to exercise Ray Train's restore-from-checkpoint.
-                  Faults can also come from outside: benchmarks/bench_reliability.py SIGKILLs a train
-                  worker's process instead.
+What a worker runs is the typed `Config` plus `WorkerOptions` (how this process is started: runner,
+batch source, where checkpoints and records go, the actors it talks to). `cfg.train.profile_step` runs
+one step under torch.profiler (RUN_DIR/profile.txt).
 
 The data cursor (common/data_cursor.py): with batch_source "buffer", `state["data"]` records per data
 epoch the prompt ids the trained steps used (and groups dynamic sampling filtered); it is saved in every
@@ -36,43 +21,102 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from common.config import Config, from_dict, validate
 from common.data_cursor import ConsumedPrompts, parse_prompt_key, prompt_key
+from common.names import BUFFER_NAME, METRICS_NAME, REGISTRY_NAME
 from train_loops import checkpoint as ckpt
-from train_loops.batches import BUFFER_NAME, StepBatch, buffer_batch, collate, synthetic_batch
+from train_loops.batches import StepBatch, buffer_batch, collate, synthetic_batch
 from train_loops.losses import get_policy_loss
 
 _MAX_KEYS = ("log_ratio_abs_max",)
 _SUM_KEYS = ("tokens", "seq_tokens", "padded_tokens")
 
 
-def train_loop_per_worker(loop_cfg: dict) -> None:
-    cfg = from_dict(loop_cfg["config"])
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How a train worker process is started, beside the run's Config.
+
+    runner          "ray" (Ray Train; build_trainer) | "torchrun" (`main`)
+    batch_source    "buffer": rank 0 pulls each step's groups from the RolloutBuffer actor and broadcasts;
+                    "synthetic": a pure function of (seed, step), for tests and the speed benchmarks,
+                    with fixed lengths when `synthetic_prompt_len` / `synthetic_completion_len` are set
+    resume_from     a checkpoint directory to start from (a Ray Train restart's own checkpoint wins)
+    checkpoint_dir  torchrun: where checkpoint_<step> directories go (default RUN_DIR/checkpoints)
+    registry_name   the AdapterRegistry actor to publish to (when Ray is up)
+    metrics_name    the RunMetrics actor that gets rank 0's per-step rows (when Ray is up)
+    ds_overrides    merged into the DeepSpeed config
+    record_dir      rank 0 writes trainer_info.json, steps.jsonl (one row per step) and, at the end, the
+                    full weights (full_state.safetensors, PEFT names): runs without RunMetrics (torchrun)
+    """
+
+    runner: Literal["ray", "torchrun"] = "ray"
+    batch_source: Literal["buffer", "synthetic"] = "buffer"
+    synthetic_prompt_len: int | None = None
+    synthetic_completion_len: int | None = None
+    resume_from: str | None = None
+    checkpoint_dir: str | None = None
+    registry_name: str | None = REGISTRY_NAME
+    metrics_name: str | None = METRICS_NAME
+    ds_overrides: dict | None = None
+    record_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.runner not in ("ray", "torchrun"):
+            raise ValueError(f"runner {self.runner!r} is not ray or torchrun")
+        if self.batch_source not in ("buffer", "synthetic"):
+            raise ValueError(f"batch_source {self.batch_source!r} is not buffer or synthetic")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> WorkerOptions:
+        """Unknown keys are an error (TypeError naming the key)."""
+        return cls(**values)
+
+
+def loop_config(config: Config | dict, options: WorkerOptions) -> dict:
+    """What a worker is started with: Ray Train's train_loop_config, and the torchrun JSON file."""
+    return {"config": config.to_dict() if isinstance(config, Config) else dict(config),
+            "options": options.to_dict()}
+
+
+def read_loop_config(loop: dict) -> tuple[Config, WorkerOptions]:
+    """The (validated) Config and the WorkerOptions of a `loop_config` dict."""
+    cfg = from_dict(loop["config"])
     validate(cfg)
+    return cfg, WorkerOptions.from_dict(loop.get("options") or {})
+
+
+def train_loop_per_worker(loop: dict) -> None:
+    """The function Ray Train runs on every rank (`loop`: its train_loop_config, a `loop_config`)."""
+    run_worker(*read_loop_config(loop))
+
+
+def run_worker(cfg: Config, options: WorkerOptions) -> None:
     from train_loops.deepspeed_setup import prepare_env
 
     prepare_env(cfg.train.use_gpu)  # before anything imports deepspeed
-    GRPOWorker(cfg, loop_cfg).train()
+    GRPOWorker(cfg, options).train()
 
 
 class GRPOWorker:
-    def __init__(self, cfg: Config, loop_cfg: dict):
+    def __init__(self, cfg: Config, options: WorkerOptions):
         from common.ray_utils import named_actor
         from train_loops.adapter_sync import AdapterPublisher
         from train_loops.deepspeed_setup import build_engine, init_distributed
         from train_loops.lora import build_lora_model, peft_config_dict
         from train_loops.policy import PolicyLogprobs
 
-        self.cfg, self.loop_cfg = cfg, loop_cfg
-        self.runner = loop_cfg.get("runner", "ray")
-        self.source = loop_cfg.get("batch_source", "buffer")
-        if self.source not in ("buffer", "synthetic"):
-            raise ValueError(f"batch_source {self.source!r} is not buffer or synthetic")
+        self.cfg, self.options = cfg, options
+        self.runner, self.source = options.runner, options.batch_source
         init_distributed(cfg.train.use_gpu)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = self._device()
@@ -88,22 +132,24 @@ class GRPOWorker:
         # deadlock, so under ZeRO-3 (CPU only: refused on GPU) the head runs once per forward.
         chunk = cfg.train.logprob_chunk if cfg.train.zero_stage < 3 else 1 << 62
         policy = PolicyLogprobs(self.model, chunk, cfg.grpo.temperature)
-        self.engine = build_engine(policy, cfg, self.world, loop_cfg.get("ds_overrides"))
-        self.metrics = named_actor(loop_cfg.get("metrics_name")) if self.rank == 0 else None
+        self.engine = build_engine(policy, cfg, self.world, options.ds_overrides)
+        self.metrics = named_actor(options.metrics_name) if self.rank == 0 else None
+        self.buffer = self._find_buffer()
+        # Overlapped publish: the buffer learns when a version is served (its pacing).
+        on_served = self.buffer.mark_ready.remote if self.buffer is not None else None
         self.publisher = AdapterPublisher(
             rank=self.rank, zero_stage=cfg.train.zero_stage, mode=cfg.sync.mode, every=cfg.sync.every,
             delta_threshold=cfg.sync.delta_threshold, peft_config=self.peft_config,
-            registry_name=loop_cfg.get("registry_name"), device=self.device, base_model_dir=cfg.model.path,
-            overlap=cfg.sync.overlap_publish and cfg.run.mode == "async", on_served=self._buffer_served())
+            registry_name=options.registry_name, device=self.device, base_model_dir=cfg.model.path,
+            overlap=cfg.sync.overlap_publish and cfg.run.mode == "async", on_served=on_served)
         self.token_budget = self._token_budget()
         self.info = {"liger_kernels": getattr(self.model, "liger_kernels", "off"), "fused_lora": cfg.train.fused_lora,
                      "max_tokens_per_micro_batch": self.token_budget, "device": str(self.device)}
         if self.rank == 0:
             print("trainer: " + ", ".join(f"{k} {v}" for k, v in self.info.items()), flush=True)
-            if loop_cfg.get("dump_dir"):
-                d = Path(loop_cfg["dump_dir"])
-                d.mkdir(parents=True, exist_ok=True)
-                (d / "trainer_info.json").write_text(json.dumps(self.info))
+            record = self._record_dir()
+            if record is not None:
+                (record / "trainer_info.json").write_text(json.dumps(self.info))
         self.state = {"step": 0, "version": 0, "consumed_groups": 0}
         self._restore()
         self.consumed = ConsumedPrompts.from_state(self.state.get("data"))
@@ -117,8 +163,7 @@ class GRPOWorker:
         every = self.cfg.checkpoint.every
         row = {}
         for step in range(self.state["step"] + 1, total + 1):
-            self._maybe_fail(step)
-            row = self._profiled_step(step) if step == self.loop_cfg.get("profile_step") else self.step(step)
+            row = self._profiled_step(step) if step == self.cfg.train.profile_step else self.step(step)
             saved = (every and step % every == 0) or step == total
             if saved:
                 self.save_checkpoint(step, row)
@@ -127,7 +172,7 @@ class GRPOWorker:
                     self.save_checkpoint(step, row)
                 break
         self.publisher.flush()  # the last version is served before the run reports done
-        self._dump_final()
+        self._record_final_weights()
 
     def step(self, step: int) -> dict:
         """batch -> logprobs -> (ref logprobs) -> loss -> backward -> step -> publish -> report."""
@@ -141,12 +186,10 @@ class GRPOWorker:
         prompts = self._record_prompts(batch)
         self.state.update(step=step, version=self.publisher.version,
                           consumed_groups=self.state["consumed_groups"] + len(batch.groups))
-        if self.rank == 0 and self.source == "buffer":
-            from common.ray_utils import named_actor
-
+        if self.buffer is not None:
             # Every step: drops stale groups early and, once the version is served (at once unless its
             # publish runs in the background: then the publisher's on_served), frees generation slots.
-            named_actor(BUFFER_NAME).set_trainer_version.remote(pub["version"], ready=not pending)
+            self.buffer.set_trainer_version.remote(pub["version"], ready=not pending)
         reward_mean, reward_std = batch.reward_stats()
         row = {**stats, **pub, "step_seconds": time.perf_counter() - t0, "batch_wait_seconds": t1 - t0,
                "learn_seconds": t2 - t1, "train_tokens_per_s": stats["seq_tokens"] / max(t2 - t1, 1e-9),
@@ -158,39 +201,38 @@ class GRPOWorker:
         self.report(step, row)
         return row
 
-    def _buffer_served(self):
-        """Rank 0 with the buffer: the callback that tells it a version is served (overlapped publish)."""
-        if self.rank != 0 or self.source != "buffer":
-            return None
-        from common.ray_utils import named_actor
-
-        buffer = named_actor(BUFFER_NAME)
-        return None if buffer is None else (lambda v: buffer.mark_ready.remote(v))
-
     def _profiled_step(self, step: int) -> dict:
         """One step under torch.profiler; rank 0 writes the top ops by self time (the speed work's
-        "where the time goes") to dump_dir/profile.txt."""
+        "where the time goes") to RUN_DIR/profile.txt."""
         from torch.profiler import ProfilerActivity, profile
 
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        with profile(activities=acts) as prof:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
             row = self.step(step)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-        if self.rank == 0 and self.loop_cfg.get("dump_dir"):
+        if self.rank == 0:
             key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
             table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
-            d = Path(self.loop_cfg["dump_dir"])
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "profile.txt").write_text(f"step {step}, sorted by {key}\n{table}\n")
+            run_dir = Path(self.cfg.run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "profile.txt").write_text(f"step {step}, sorted by {key}\n{table}\n")
         return row
 
     def next_batch(self, step: int) -> StepBatch:
-        g = self.cfg.grpo
+        grpo = self.cfg.grpo
         if self.source == "synthetic":
-            return synthetic_batch(self.cfg.train.seed, step, g.prompts_per_step, g.group_size, self.vocab,
-                                   g.max_new_tokens, self.cfg.scale_advantages, **self.loop_cfg.get("synthetic", {}))
-        obj = [buffer_batch(self.publisher.version, g.prompts_per_step) if self.rank == 0 else None]
+            return synthetic_batch(self.cfg.train.seed, step, grpo.prompts_per_step, grpo.group_size, self.vocab,
+                                   grpo.max_new_tokens, self.cfg.scale_advantages,
+                                   prompt_len=self.options.synthetic_prompt_len,
+                                   completion_len=self.options.synthetic_completion_len)
+        batch = None
+        if self.rank == 0:
+            if self.buffer is None:
+                raise RuntimeError(f"batch_source buffer: no {BUFFER_NAME} actor (Ray is not up, or the driver "
+                                   "did not start one)")
+            batch = buffer_batch(self.buffer, self.publisher.version, grpo.prompts_per_step)
+        obj = [batch]
         dist.broadcast_object_list(obj, src=0, device=self._obj_device())
         return obj[0]
 
@@ -199,7 +241,6 @@ class GRPOWorker:
         token budget (train_loops.micro_batches), every rank running the same number of backwards."""
         from train_loops import micro_batches as mb
 
-        g = self.cfg.grpo
         ranks = mb.assign_ranks(batch_samples, self.world)
         n_micro = mb.micro_batches_needed(ranks, self.token_budget)
         micro = mb.plan(ranks, self.rank, self.token_budget, n_micro)
@@ -210,22 +251,22 @@ class GRPOWorker:
             # A rank with fewer sequences than the others' micro-batch count repeats one with weight 0:
             # its backward must still run, or the ZeRO reductions of the ranks go out of step.
             part, weight = (micro[i], 1.0) if i < len(micro) else (micro[-1][:1], 0.0)
-            b = collate(part, self.pad_id, self.device)
-            fwd = {k: b[k] for k in ("input_ids", "attention_mask", "pred_pos", "targets", "mask")}
+            tensors = collate(part, self.pad_id, self.device)
+            fwd = {k: tensors[k] for k in ("input_ids", "attention_mask", "pred_pos", "targets", "mask")}
             logp, entropy = self.engine(**fwd)
             ref = None
-            if g.kl_coef > 0:
+            if self.cfg.grpo.kl_coef > 0:
                 with torch.no_grad():
                     ref, _ = self.engine(**fwd, disable_adapter=True)
-            loss, st = self._loss(logp, b, ref, entropy, token_denom, seq_denom)
+            loss, part_stats = self._loss(logp, tensors, ref, entropy, token_denom, seq_denom)
             self.engine.set_gradient_accumulation_boundary(i == n_micro - 1)
             self.engine.backward(loss * weight, scale_wrt_gas=False)
             self.engine.step()  # applies the update only at the boundary
             if weight:
-                st.update(_fresh_log_ratio(logp, b, part, current))
-                micro_stats.append({**st, "loss": float(loss.detach()),
-                                    "seq_tokens": int(b["attention_mask"].sum()),
-                                    "padded_tokens": int(b["attention_mask"].numel())})
+                part_stats.update(_fresh_log_ratio(logp, tensors, part, current))
+                micro_stats.append({**part_stats, "loss": float(loss.detach()),
+                                    "seq_tokens": int(tensors["attention_mask"].sum()),
+                                    "padded_tokens": int(tensors["attention_mask"].numel())})
         stats = _combine(micro_stats)
         stats["loss"] *= len(micro_stats)  # micro-batch losses are shares of the step's loss: sum them
         stats["micro_batches"] = n_micro
@@ -233,10 +274,10 @@ class GRPOWorker:
         stats["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         return stats
 
-    def _loss(self, logp, b: dict, ref, entropy, token_denom: float, seq_denom: float):
-        return self.policy_loss(logp, b["behaviour_logp"], b["mask"], b["advantages"], opts=self.cfg.grpo,
-                                ref_logp=ref, entropy=entropy, token_denominator=token_denom,
-                                seq_denominator=seq_denom)
+    def _loss(self, logp, tensors: dict, ref, entropy, token_denom: float, seq_denom: float):
+        return self.policy_loss(logp, tensors["behaviour_logp"], tensors["mask"], tensors["advantages"],
+                                opts=self.cfg.grpo, ref_logp=ref, entropy=entropy,
+                                token_denominator=token_denom, seq_denominator=seq_denom)
 
     def _token_budget(self) -> int:
         """train.max_tokens_per_micro_batch, or the automatic one agreed by all ranks (the smallest)."""
@@ -257,7 +298,7 @@ class GRPOWorker:
     # ------------------------------------------------------------------ reporting, checkpoints
 
     def report(self, step: int, row: dict) -> None:
-        """Average the per-rank stats, then rank 0 logs one row (RunMetrics actor and/or dump_dir)."""
+        """Average the per-rank stats, then rank 0 logs one row (RunMetrics actor and/or record_dir)."""
         rows = [None] * self.world
         dist.all_gather_object(rows, row)
         if self.rank != 0:
@@ -266,11 +307,10 @@ class GRPOWorker:
         merged["train_tokens_per_s"] = merged["seq_tokens"] / max(max(r["learn_seconds"] for r in rows), 1e-9)
         if self.metrics is not None:
             self.metrics.log_train.remote(step, merged)
-        if self.loop_cfg.get("dump_dir"):
-            d = Path(self.loop_cfg["dump_dir"])
-            d.mkdir(parents=True, exist_ok=True)
-            with (d / "steps.jsonl").open("a") as f:
-                f.write(json.dumps({"step": step, **merged}) + "\n")
+        record = self._record_dir()
+        if record is not None:
+            with (record / "steps.jsonl").open("a") as out:
+                out.write(json.dumps({"step": step, **merged}) + "\n")
 
     def save_checkpoint(self, step: int, row: dict) -> None:
         # A checkpoint's version is one the registry holds: a resume republishes from a consistent state.
@@ -280,7 +320,7 @@ class GRPOWorker:
         lora = gather_lora_state(self.model, self.cfg.train.zero_stage)
         name = f"checkpoint_{step:06d}"
         if self.runner == "torchrun":
-            parent = Path(self.loop_cfg.get("checkpoint_dir") or self.cfg.run_dir / "checkpoints")
+            parent = Path(self.options.checkpoint_dir or self.cfg.run_dir / "checkpoints")
             ckpt.save(self.engine, parent / name, rank=self.rank, state=self.state, lora=lora,
                       peft_config=self.peft_config)
             if self.rank == 0:
@@ -288,26 +328,27 @@ class GRPOWorker:
             return
         import ray.train
 
-        d = tempfile.mkdtemp(prefix="grpo-ckpt-")
+        local = tempfile.mkdtemp(prefix="grpo-ckpt-")
         try:
-            ckpt.save(self.engine, d, rank=self.rank, state=self.state, lora=lora, peft_config=self.peft_config)
+            ckpt.save(self.engine, local, rank=self.rank, state=self.state, lora=lora, peft_config=self.peft_config)
             metrics = {k: v for k, v in row.items() if isinstance(v, (int, float))}
             ray.train.report({**metrics, "step": step, "version": self.state["version"]},
-                             checkpoint=ray.train.Checkpoint.from_directory(d), checkpoint_dir_name=name)
+                             checkpoint=ray.train.Checkpoint.from_directory(local), checkpoint_dir_name=name)
         finally:
-            shutil.rmtree(d, ignore_errors=True)
+            shutil.rmtree(local, ignore_errors=True)
 
     def _restore(self) -> None:
-        """A Ray Train restart's own checkpoint first (failure recovery), else loop_cfg resume_from."""
+        """A Ray Train restart's own checkpoint first (failure recovery), else `resume_from` (the
+        options', then the config's)."""
         if self.runner == "ray":
             import ray.train
 
-            c = ray.train.get_checkpoint()
-            if c is not None:
-                with c.as_directory() as d:
-                    self.state = ckpt.load(self.engine, d, rank=self.rank)
+            own = ray.train.get_checkpoint()
+            if own is not None:
+                with own.as_directory() as path:
+                    self.state = ckpt.load(self.engine, path, rank=self.rank)
                 return
-        path = self.loop_cfg.get("resume_from") or self.cfg.checkpoint.resume_from
+        path = self.options.resume_from or self.cfg.checkpoint.resume_from
         if path:
             self.state = ckpt.load(self.engine, path, rank=self.rank)
 
@@ -323,37 +364,44 @@ class GRPOWorker:
         return {"prompts": keys, **({"prompts_filtered": list(batch.filtered)} if batch.filtered else {}),
                 "prompt_repeats": self.consumed.repeats}
 
-    def _buffer(self):
-        """Rank 0's handle on the RolloutBuffer actor, or None (no Ray, no buffer: trainer-only tests)."""
+    def _find_buffer(self):
+        """Rank 0's handle on the RolloutBuffer actor with batch_source buffer; None elsewhere, and where
+        there is none (no Ray: torchrun)."""
         if self.rank != 0 or self.source != "buffer":
             return None
         from common.ray_utils import named_actor
 
         try:
             return named_actor(BUFFER_NAME)
-        except ValueError:
+        except ValueError:  # Ray is up but no buffer was started
             return None
+
+    def _record_dir(self) -> Path | None:
+        """Rank 0's `record_dir` (created), or None."""
+        if self.rank != 0 or not self.options.record_dir:
+            return None
+        path = Path(self.options.record_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
     def _rewind_buffer(self) -> None:
         """After a restore: prompts the buffer handed to steps this checkpoint does not hold (they died
         with the failed workers) are handed out again. A no-op on a fresh start or a driver resume."""
-        buf = self._buffer()
-        if buf is not None:
+        if self.buffer is not None:
             import ray
 
-            ray.get(buf.rewind.remote(self.consumed.to_state()))
+            ray.get(self.buffer.rewind.remote(self.consumed.to_state()))
 
     def _stop_requested(self) -> bool:
         """Collective: rank 0 asks the buffer whether the driver asked to stop; every rank gets the answer."""
         if self.source != "buffer":  # every rank knows: no buffer, no stop request, no collective
             return False
         flag = False
-        buf = self._buffer()
-        if buf is not None:
+        if self.buffer is not None:
             import ray
 
             try:
-                flag = bool(ray.get(buf.stop_requested.remote(), timeout=30))
+                flag = bool(ray.get(self.buffer.stop_requested.remote(), timeout=30))
             except Exception:  # a buffer that cannot answer asked for nothing
                 flag = False
         obj = [flag]
@@ -361,16 +409,10 @@ class GRPOWorker:
             dist.broadcast_object_list(obj, src=0, device=self._obj_device())
         return bool(obj[0])
 
-    def _maybe_fail(self, step: int) -> None:
-        """The test hook `fail_once_at` (see the module docstring): tests and benchmarks only."""
-        f = self.loop_cfg.get("fail_once_at")
-        if f and step == f["step"] and self.rank == f["rank"] and not Path(f["marker"]).exists():
-            Path(f["marker"]).touch()
-            os._exit(1)  # like a killed process: no exception handling, no cleanup
-
-    def _dump_final(self) -> None:
-        """Tests: the trainer's full final weights (base + LoRA, PEFT names) from rank 0."""
-        if not self.loop_cfg.get("dump_dir"):
+    def _record_final_weights(self) -> None:
+        """With `record_dir`: the trainer's full final weights (base + LoRA, PEFT names) from rank 0.
+        Collective under ZeRO-3 (every rank joins the gather)."""
+        if not self.options.record_dir:
             return
         import contextlib
 
@@ -385,7 +427,7 @@ class GRPOWorker:
         if self.rank == 0:
             from safetensors.torch import save_file
 
-            save_file(full, str(Path(self.loop_cfg["dump_dir"]) / "full_state.safetensors"))
+            save_file(full, str(self._record_dir() / "full_state.safetensors"))
         dist.barrier()
 
     def _device(self) -> torch.device:
@@ -408,14 +450,14 @@ _STAT_KEYS = ("loss", "kl", "clip_frac", "entropy", "log_ratio_abs_mean", "log_r
               "is_weight_mean", "seq_log_ratio_abs_mean", "log_ratio_fresh")
 
 
-def _fresh_log_ratio(logp, b: dict, part: list, current: int) -> dict:
+def _fresh_log_ratio(logp, tensors: dict, part: list, current: int) -> dict:
     """Mean |trainer - vLLM| logprob over the tokens of samples the current weights generated: the
     engines' numerical mismatch alone, without the policy drift that staler samples add."""
     fresh = torch.tensor([s.version == current for s in part], device=logp.device)
-    sel = b["mask"] & fresh[:, None]
+    sel = tensors["mask"] & fresh[:, None]
     if not bool(sel.any()):
         return {}
-    return {"log_ratio_fresh": float((logp.detach().float() - b["behaviour_logp"]).abs()[sel].mean())}
+    return {"log_ratio_fresh": float((logp.detach().float() - tensors["behaviour_logp"]).abs()[sel].mean())}
 
 
 def _combine(stats: list[dict]) -> dict:
@@ -428,11 +470,10 @@ def _combine(stats: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """torchrun entry: the one argument is a JSON file holding loop_cfg."""
+    """torchrun entry: the one argument is a JSON file holding `loop_config(cfg, options)`."""
     argv = sys.argv[1:] if argv is None else argv
-    loop_cfg = json.loads(Path(argv[0]).read_text())
-    loop_cfg["runner"] = "torchrun"
-    train_loop_per_worker(loop_cfg)
+    cfg, options = read_loop_config(json.loads(Path(argv[0]).read_text()))
+    run_worker(cfg, replace(options, runner="torchrun"))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -1,0 +1,71 @@
+"""Everything checked or decided before a run starts its actors: the model, the data and its columns,
+lora.target_modules (`preflight`, also `python -m app validate`); the run directory (`make_run_dir`);
+whether the cluster can place the run (`check_fits`, once Ray is up)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import yaml
+
+from app.resume import Resume
+from common.config import Config, ConfigError, needs_merge
+
+logger = logging.getLogger("app")
+
+
+def preflight(cfg: Config) -> list[dict]:
+    """Everything that can fail before an actor starts: model dir, data and columns, target modules.
+    Returns the training prompts."""
+    from app.data import load_prompts
+    from app.tiny_model import ensure_model
+
+    if (reason := needs_merge(cfg)) and cfg.sync.mode == "adapter":
+        logger.warning("sync.mode=adapter but %s: falling back to merge mode (full weights each publish)", reason)
+        cfg.sync.mode = "merge"
+    ensure_model(cfg.model.path, cfg.model.build_tiny, cfg.model.tiny_seed, cfg.model.tiny_shape)
+    rows = load_prompts(cfg.data)
+    check_target_modules(cfg)
+    return rows
+
+
+def check_target_modules(cfg: Config) -> None:
+    """Unknown lora.target_modules fail here, on a weightless (meta) copy of the model."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from train_loops.lora import check_target_modules as check
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
+    check(model, cfg.lora.target_modules)
+
+
+def make_run_dir(cfg: Config, resume: Resume | None) -> Path:
+    """RUN_DIR (run.out_dir/run.name) with the run's config.yaml. A fresh run never writes into an earlier
+    run's directory: it takes the next free `NAME-k` and says so; a resumed run continues its own. Paths
+    become absolute first: actors and replicas run in other working directories."""
+    cfg.model.path = str(Path(cfg.model.path).resolve())
+    cfg.run.out_dir = str(Path(cfg.run.out_dir).resolve())
+    if resume is None:
+        base, attempt = cfg.run.name, 1
+        while cfg.run_dir.exists():
+            attempt += 1
+            cfg.run.name = f"{base}-{attempt}"
+        if attempt > 1:
+            logger.warning("run dir %s exists: this run writes to %s", Path(cfg.run.out_dir) / base, cfg.run_dir)
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=resume is not None)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return run_dir
+
+
+def check_fits(cfg: Config) -> None:
+    """A run the cluster cannot place would wait forever for resources: refuse it with the numbers."""
+    import ray
+
+    from common.placement import fit_problems
+
+    problems = fit_problems(cfg, ray.cluster_resources())
+    if problems:
+        raise ConfigError(problems)

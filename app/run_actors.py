@@ -1,0 +1,67 @@
+"""The run's actors: the adapter registry, the run metrics, the rollout buffer (named, in the project
+namespace), the rollout workers and the evaluator. They start with the run and end with it, success,
+failure or Ctrl-C alike, so their names are free for the next run in the same cluster; the Serve app
+ends with them unless the run keeps serving its policy (app/service.py)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from app.resume import Resume
+from common.config import Config
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+logger = logging.getLogger("app")
+
+
+@dataclass
+class RunActors:
+    registry: ActorHandle
+    metrics: ActorHandle
+    buffer: ActorHandle
+    workers: list[ActorHandle] = field(default_factory=list)
+    evaluator: ActorHandle | None = None
+
+    def teardown(self, cfg: Config, status: str, keep_serving: bool) -> None:
+        """Close the trackers with the run's status ("FINISHED", "FAILED", "KILLED"), end every actor of
+        the run, and delete its Serve app and registry unless it keeps serving."""
+        import ray
+
+        from app.service import delete_service, keep_service
+        from common.ray_utils import kill_actor
+
+        try:  # trackers flush and close their run (MLflow marks it FINISHED or FAILED); ray.kill would not
+            ray.get(self.metrics.close.remote(status), timeout=60)
+        except Exception as e:
+            logger.warning("metrics close failed: %s", e)
+        for actor in [*self.workers, self.buffer, self.metrics, self.evaluator]:
+            kill_actor(actor)
+        if keep_serving:
+            keep_service(cfg.rollout.app_name, self.registry)
+        else:
+            delete_service(cfg.rollout.app_name, self.registry)
+
+
+def start_run_actors(cfg: Config, rows: list[dict], resume: Resume | None) -> RunActors:
+    """Registry, metrics and buffer; a resumed run's metrics keep the rows up to its checkpoint and its
+    buffer skips exactly the prompts the checkpointed steps trained on (common/data_cursor.py)."""
+    from app.buffer import RolloutBuffer
+    from app.loggers import tracking_options
+    from app.metrics import RunMetrics
+    from common.names import BUFFER_NAME, METRICS_NAME, NAMESPACE
+    from common.registry import get_or_create_registry
+
+    registry = get_or_create_registry(keep=cfg.sync.max_staleness + 1)
+    metrics = RunMetrics.options(name=METRICS_NAME, namespace=NAMESPACE).remote(
+        str(cfg.run_dir), cfg.run.name, tracking=tracking_options(cfg),
+        resume_step=resume.step if resume is not None else None)
+    # The buffer is the run's one prompt source.
+    buffer = RolloutBuffer.options(name=BUFFER_NAME, namespace=NAMESPACE).remote(
+        cfg.sync.max_staleness, cfg.grpo.prompts_per_step, rows, lead=0 if cfg.run.mode == "sync" else None,
+        seed=cfg.data.shuffle_seed, epochs=cfg.data.epochs,
+        consumed=resume.state.get("data") if resume is not None else None,
+        trainer_version=resume.version if resume is not None else 0)
+    return RunActors(registry, metrics, buffer)

@@ -1,0 +1,93 @@
+"""The rollout service from the app's side: start it for a run (Serve's own logs in RUN_DIR/logs/serve),
+keep it serving the final policy after the run or delete it, and `python -m app serve` (serve a model and
+optionally a saved adapter until interrupted). The Serve application itself is assembled and started in
+serve_deployments/app_builder.py."""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+from common.config import Config
+
+logger = logging.getLogger("app")
+
+# Apps a finished run left serving, with their registry: a named actor dies with its last handle.
+_SERVING: dict = {}
+
+
+def start_rollout_service(cfg: Config, registry, verbose: bool = False):
+    """The run's Serve app (the ingress in front of rollout.replicas vLLM replicas), once every replica is
+    healthy; returns the ingress handle. Serve's controller and proxy log to RUN_DIR/logs/serve, WARNING
+    and up unless verbose; a Serve instance already running keeps its own settings."""
+    from ray.serve.schema import LoggingConfig
+
+    from serve_deployments.app_builder import start_service, wait_healthy
+
+    logging_config = LoggingConfig(log_level="INFO" if verbose else "WARNING",
+                                   logs_dir=str(cfg.run_dir / "logs" / "serve"), enable_access_log=verbose)
+    ingress = start_service(cfg, registry=registry, logging_config=logging_config)
+    wait_healthy(ingress)
+    return ingress
+
+
+def keep_service(app_name: str, registry) -> None:
+    """The run is over but its app keeps serving the final policy; `stop_serving` ends it."""
+    _SERVING[app_name] = registry
+
+
+def delete_service(app_name: str, registry) -> None:
+    """The app and its registry end with the run; a Serve already gone does not keep the registry alive."""
+    from ray import serve
+
+    from common.ray_utils import kill_actor
+
+    try:
+        serve.delete(app_name)
+    except Exception as e:  # teardown must reach the registry even if Serve is gone
+        logger.warning("could not delete Serve app %s: %s", app_name, e)
+    kill_actor(registry)
+
+
+def stop_serving(app_name: str) -> None:
+    """End what `run(..., keep_serving=True)` left up: the Serve app and its registry."""
+    import ray
+    from ray import serve
+
+    serve.delete(app_name)
+    registry = _SERVING.pop(app_name, None)
+    if registry is not None:
+        ray.kill(registry)
+
+
+def serve_policy(cfg: Config, payload: tuple[dict, dict] | None, adapter_dir: str | None,
+                 address: str | None) -> None:
+    """`python -m app serve`: join or start Ray, publish the adapter (if any) as policy-v1, serve until
+    Ctrl-C or SIGTERM, then delete the app and shut Ray down."""
+    import os
+
+    import ray
+    from ray import serve
+
+    from common.registry import get_or_create_registry
+    from serve_deployments.app_builder import start_with_adapter, wait_healthy
+
+    address = address or cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
+    ray.init(address=address or None, ignore_reinit_error=True)
+    registry = get_or_create_registry()
+    handle, version = start_with_adapter(cfg, registry, payload)
+    if version is not None:
+        print(f"published {adapter_dir} as policy-v{version} (policy-latest)", flush=True)
+    body = wait_healthy(handle)
+    print(f"serving {cfg.model.path} on http://127.0.0.1:{cfg.rollout.http_port}/v1 "
+          f"({body['replicas']} replicas, live: {body['live'] or 'base only'}); Ctrl-C to stop", flush=True)
+    # SIGTERM (docker stop, Kubernetes, a background job) stops it like Ctrl-C: app deleted, Ray shut down.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+    finally:
+        serve.delete(cfg.rollout.app_name)
+        ray.shutdown()

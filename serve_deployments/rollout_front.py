@@ -1,0 +1,67 @@
+"""The rollout workers' side of the ingress: `generate_group`, n samples of one prompt.
+
+- The group is pinned to one exact version (None = the newest live one; the base weights' version while
+  none is live) before any sample starts, and every sample runs under it.
+- The n samples are n calls with the same route key, so they land on one replica and share its prefix
+  cache (replica_pool.py).
+- A sample whose replica is lost (`common.faults.is_lost`: SIGKILL, OOM, node loss) is sent again through
+  the handle, which routes it to a live replica, under `REPLICA_CALL` (bounded attempts, backoff, a
+  deadline; a replica lacking the pinned version loads it from the registry first). An error a replica
+  raised on purpose (a `status_code`: bad request, version expired) is raised at once.
+- `drop_if_expired`: the group fails with VersionExpiredError as soon as its version expires.
+- The samples count against the in-flight limit but are never refused by it (admission.py).
+See docs/ARCHITECTURE.md, "Path of a sample" and "Faults".
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from common.faults import REPLICA_CALL, RetryPolicy, short_error
+from serve_deployments.admission import Admission
+from serve_deployments.openai_api import ModelNameError, resolve_version, served_name
+from serve_deployments.replica_pool import ReplicaPool
+from serve_deployments.served_versions import ServedVersions
+
+logger = logging.getLogger("ray.serve")
+
+
+class RolloutFront:
+    def __init__(self, pool: ReplicaPool, versions: ServedVersions, admission: Admission,
+                 retry: RetryPolicy = REPLICA_CALL):
+        self._pool = pool
+        self._versions = versions
+        self._admission = admission
+        self._retry = retry
+
+    async def generate_group(self, prompt_token_ids: list[int], n: int, version: int | None = None,
+                             sampling: dict | None = None, drop_if_expired: bool = False) -> list[dict]:
+        """n samples of one prompt (module docstring). Each result names its version and the sha256 of the
+        adapter that produced it. Raises ValueError for a bad prompt, n or version."""
+        if n < 1:
+            raise ValueError(f"generate_group: n must be >= 1, got {n}")
+        ids = [int(t) for t in prompt_token_ids]
+        limit = (await self._pool.engine_info())["max_model_len"]
+        if not ids or len(ids) >= limit:
+            raise ValueError(f"generate_group: prompt has {len(ids)} tokens; it must be 1..{limit - 1}")
+        try:
+            pinned = resolve_version(version, await self._versions.live(), self._versions.merged_version)
+        except ModelNameError as e:
+            raise ValueError(e.message) from None
+        key = await self._pool.route_key(ids, pinned, self._versions.merged_version)
+        req = {"prompt_token_ids": ids, "version": pinned, "sampling": dict(sampling or {}),
+               "drop_if_expired": bool(drop_if_expired)}
+        release = self._admission.take(n)
+        try:
+            return list(await asyncio.gather(*[self._sample(req, key) for _ in range(n)]))
+        finally:
+            release()
+
+    async def _sample(self, req: dict, key: dict | None) -> dict:
+        """One sample, sent again (same request, same pinned version) while its replica is lost."""
+        def on_retry(retry: int, error: BaseException) -> None:
+            self._admission.counts["replica_retries"] += 1
+            logger.warning("generate: replica lost (%s); retry %d of %d under %s", short_error(error), retry,
+                           self._retry.attempts - 1, served_name(req["version"]))
+
+        return await self._retry.run(lambda: self._pool.call("generate", req, key=key), on_retry=on_retry)
