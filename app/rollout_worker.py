@@ -32,7 +32,7 @@ import time
 import ray
 
 from common.config import Config, from_dict
-from common.faults import ROLLOUT_GROUP, is_lost, short_error
+from common.faults import ROLLOUT_GROUP, is_gone, is_lost, short_error
 from common.names import BUFFER_NAME, METRICS_NAME, REGISTRY_NAME
 from common.ray_utils import named_actor
 from common.types import Group, Sample
@@ -50,19 +50,6 @@ def _reward_task(dotted: str, completion: str, row: dict, finish_reason: str | N
     from app.rewards import load_scorer
 
     return load_scorer(dotted)(completion, row, finish_reason)
-
-
-def _expired(error: BaseException | None) -> bool:
-    """The group's version expired while it was generated (serve_deployments.replica.VersionExpiredError):
-    its samples would be dropped as stale, so the group is given up, not retried under that version.
-    Ray wraps a remote error in a RayTaskError subclass named after it, so the name is checked too."""
-    from serve_deployments.replica import VersionExpiredError
-
-    while error is not None:
-        if isinstance(error, VersionExpiredError) or "VersionExpiredError" in type(error).__name__:
-            return True
-        error = getattr(error, "cause", None) or error.__cause__
-    return False
 
 
 @ray.remote(num_cpus=0)
@@ -231,9 +218,10 @@ class RolloutWorker:
             try:
                 group = await self.rollout_one(row)
             except Exception as error:
-                if _expired(error):
-                    # Too stale to train on before it finished: the slot makes a fresh group under the
-                    # newest version right away, and the prompt is handed out again.
+                if is_gone(error):
+                    # Its version expired (too stale to train on before it finished) or merged weights of a
+                    # newer one replaced it: the slot makes a fresh group under the newest version right
+                    # away, and the prompt is handed out again.
                     await self.buffer.release.remote(**slot, requeue=True, expired=True)
                     self._count("rollout_expired_groups", 1)
                     continue

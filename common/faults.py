@@ -7,6 +7,8 @@ One rule for the registry, the ingress and the rollout worker alike:
 - An error raised by our own code because something *below* it was lost (the ingress rolling back an
   adapter load after a replica died) says so by deriving from `LostError`; `is_lost` follows that
   through Ray's wrapping (`RayTaskError.cause`) and Python's (`__cause__`), never by matching text.
+- A callee that answers **gone** (410: the version the call pinned is no longer served, `is_gone`) is not
+  retried under that version either; a rollout starts over under the newest one.
 - A lost call is retried by its caller under one `RetryPolicy` (bounded attempts, exponential backoff,
   a deadline); each layer retries only what the layer below it could not absorb:
 
@@ -58,6 +60,13 @@ def is_lost(e: BaseException) -> bool:
         if isinstance(err, lost):
             return True
     return False
+
+
+def is_gone(e: BaseException) -> bool:
+    """True when the callee refused because the version the call pinned is no longer served there (HTTP 410
+    Gone): it expired from the live window, or merged weights of a newer version replaced it. Such a call
+    cannot succeed under its version anywhere; the caller starts over under the newest one."""
+    return any(getattr(err, "status_code", None) == 410 for err in _chain(e))
 
 
 def short_error(e: BaseException) -> str:

@@ -196,10 +196,9 @@ def test_expired_version_aborts_its_rollouts_only(serve_env, svc, versions):
         assert ray.get(reg.live_versions.remote())[-2:] == [v2, v3]
         with pytest.raises(Exception, match="VersionExpiredError|expired") as err:
             rollout.result(timeout_s=120)
-        from app.rollout_worker import _expired
-        from common.faults import is_lost
+        from common.faults import is_gone, is_lost
 
-        assert _expired(err.value) and not is_lost(err.value)  # what the worker tells apart: requeue, no retry
+        assert is_gone(err.value) and not is_lost(err.value)  # what the worker tells apart: requeue, no retry
         (kept,) = other.result(timeout_s=300)
         assert kept["version"] == v1 and len(kept["token_ids"]) == 400 and kept["finish_reason"] == "length"
         deadline = time.monotonic() + 30
