@@ -297,39 +297,6 @@ def load_prompts(cfg: DataConfig) -> list[dict]:
     return res.rows
 
 
-@dataclass
-class Cursor:
-    epoch: int = 0
-    index: int = 0
-
-
-class PromptStream:
-    """Endless, seeded, epoch-shuffled stream over the rows, with a cursor that can be saved/restored."""
-
-    def __init__(self, rows: list[dict], seed: int, epochs: int, cursor: Cursor | None = None):
-        self.rows, self.seed, self.epochs = rows, seed, epochs
-        self.cursor = cursor or Cursor()
-        self._order = self._perm(self.cursor.epoch)
-
-    def _perm(self, epoch: int) -> list[int]:
-        order = list(range(len(self.rows)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        if self.cursor.index >= len(self.rows):
-            self.cursor = Cursor(self.cursor.epoch + 1, 0)
-            self._order = self._perm(self.cursor.epoch)
-        if self.cursor.epoch >= self.epochs:
-            raise StopIteration
-        row = self.rows[self._order[self.cursor.index]]
-        self.cursor.index += 1
-        return row
-
-
 def render_prompt(row: dict, tokenizer, cfg: DataConfig) -> list[int]:
     """Prompt token ids, through the chat template (with the system prompt) when configured."""
     if cfg.use_chat_template and getattr(tokenizer, "chat_template", None):

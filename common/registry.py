@@ -161,9 +161,11 @@ class AdapterRegistry:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self._keep = keep
 
-    async def expire_stats(self) -> dict:
-        return {"expired_aborts": self.expired_aborts, "expire_errors": self.expire_errors,
-                "last_error": self._last_expire_error}
+    async def stats(self) -> dict:
+        """Live versions, load retries and the expiry counters (rollouts aborted early, failed expire calls)."""
+        return {"live_versions": list(self._live), "load_retries": self.load_retries,
+                "expired_aborts": self.expired_aborts, "expire_errors": self.expire_errors,
+                "last_expire_error": self._last_expire_error}
 
 
 def get_or_create_registry(keep: int = 3):

@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.data import DataError, PromptStream, letters_task, load_prompts, render_prompt
+from app.data import DataError, letters_task, load_prompts, render_prompt
 from app.rewards import boxed_math_reward, last_boxed, letter_reward, load_reward
 from common.config import DataConfig
 
@@ -47,20 +47,6 @@ def test_bad_rows_and_files(tmp_path):
         load_prompts(DataConfig(path=str(tmp_path / "bad.jsonl")))
     with pytest.raises(DataError, match="unknown builtin"):
         load_prompts(DataConfig(path="builtin:chess"))
-
-
-def test_stream_shuffles_per_epoch_and_resumes():
-    rows = [{"id": str(i)} for i in range(5)]
-    s = PromptStream(rows, seed=1, epochs=3)
-    first = [next(s)["id"] for _ in range(5)]
-    second = [next(s)["id"] for _ in range(5)]
-    assert sorted(first) == sorted(second) == [str(i) for i in range(5)] and first != second
-    s2 = PromptStream(rows, seed=1, epochs=3)
-    for _ in range(7):
-        next(s2)
-    resumed = PromptStream(rows, seed=1, epochs=3, cursor=type(s2.cursor)(s2.cursor.epoch, s2.cursor.index))
-    assert [next(resumed)["id"] for _ in range(8)] == [next(s2)["id"] for _ in range(8)]
-    assert len(list(s2)) == 0  # exhausted after 3 epochs
 
 
 def test_render_uses_chat_template_and_system_prompt(tiny_model_dir):

@@ -188,7 +188,7 @@ def test_expired_version_aborts_its_rollouts_only(serve_env, svc, versions):
     while sum(r["inflight_by_version"].get(v1, 0) for r in svc.stats.remote().result()["replicas"]) < 3:
         assert time.monotonic() < deadline, "the three requests never ran"
         time.sleep(0.1)
-    before = ray.get(reg.expire_stats.remote())["expired_aborts"]
+    before = ray.get(reg.stats.remote())["expired_aborts"]
     ray.get(reg.set_keep.remote(2))
     try:
         publish(reg, v2, *make_lora_payload(serve_env.model_dir, seed=v2))
@@ -202,8 +202,8 @@ def test_expired_version_aborts_its_rollouts_only(serve_env, svc, versions):
         (kept,) = other.result(timeout_s=300)
         assert kept["version"] == v1 and len(kept["token_ids"]) == 400 and kept["finish_reason"] == "length"
         deadline = time.monotonic() + 30
-        while ray.get(reg.expire_stats.remote())["expired_aborts"] - before < 2:
-            assert time.monotonic() < deadline, ray.get(reg.expire_stats.remote())
+        while ray.get(reg.stats.remote())["expired_aborts"] - before < 2:
+            assert time.monotonic() < deadline, ray.get(reg.stats.remote())
             time.sleep(0.1)
         st = svc.stats.remote().result()["replicas"]
         assert sum(r["aborted_expired"] for r in st) >= 2 and all(v1 in r["expired"] for r in st)
