@@ -42,6 +42,7 @@ class AdapterRegistry:
         self._expiring: set[asyncio.Future] = set()  # expire calls in flight (kept from the GC)
         self.expired_aborts = self.expire_errors = 0
         self._last_expire_error: str | None = None
+        self.load_retries = 0  # over the registry's life; each publish record has its own count
 
     async def attach_ingress(self, app_name: str | None, deployment_name: str | None = None) -> None:
         """Attach the app's ingress (`serve.get_app_handle(app_name)`, or the named deployment of that
@@ -75,6 +76,7 @@ class AdapterRegistry:
             async def fresh_handle(retry: int, error: BaseException) -> None:
                 nonlocal retries
                 retries = retry
+                self.load_retries += 1
                 await self.attach_ingress(*self._ingress_args)  # the ingress may be a new one
 
             try:
