@@ -7,7 +7,9 @@ Not a test module: nothing here imports pytest or `tests`. Benchmarks import it 
 """
 from __future__ import annotations
 
+import os
 import socket
+from pathlib import Path
 
 # PEFT target modules of the tiny model's LoRA payloads: all 7 projections of a Qwen2 block.
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -191,3 +193,30 @@ def make_merged_payload(model_dir, tensors: dict, meta: dict) -> tuple[dict, dic
     if model.config.tie_word_embeddings:
         full.pop("lm_head.weight", None)  # tied: the embedding carries it
     return full, make_meta(full, None, kind="merged")
+
+
+def descendant_pids(title_part: str) -> list[int]:
+    """PIDs of this process's descendants (the local Ray cluster it started) whose command line holds
+    `title_part` (Ray titles a Serve replica process `ray::ServeReplica:APP:DEPLOYMENT...`). Other Ray
+    instances on the machine are never looked at."""
+    parent: dict[int, int] = {}
+    cmd: dict[int, str] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+    me = os.getpid()
+
+    def mine(pid: int) -> bool:
+        seen = 0
+        while pid > 1 and seen < 64:
+            if pid == me:
+                return True
+            pid, seen = parent.get(pid, 0), seen + 1
+        return False
+
+    return [pid for pid, c in cmd.items() if title_part in c and pid != me and mine(pid)]

@@ -35,6 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._common import descendant_pids  # noqa: E402
+
 
 def _rows(run_dir: Path) -> list[dict]:
     f = run_dir / "metrics.jsonl"
@@ -105,33 +107,6 @@ def _alive_actors(cls_part: str) -> list[dict]:
     return found
 
 
-def _my_processes(title_part: str) -> list[int]:
-    """PIDs of this process's descendants (the local Ray cluster it started) whose command line holds
-    `title_part` (Ray titles a Serve replica process `ray::ServeReplica:APP:DEPLOYMENT...`). Other Ray
-    instances on the machine are never looked at."""
-    parent: dict[int, int] = {}
-    cmd: dict[int, str] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError, ValueError):
-            continue
-    me = os.getpid()
-
-    def mine(pid: int) -> bool:
-        seen = 0
-        while pid > 1 and seen < 64:
-            if pid == me:
-                return True
-            pid, seen = parent.get(pid, 0), seen + 1
-        return False
-
-    return [pid for pid, c in cmd.items() if title_part in c and pid != me and mine(pid)]
-
-
 def _kill_pid(pid: int) -> None:
     os.kill(int(pid), signal.SIGKILL)
 
@@ -169,7 +144,7 @@ class Injector(threading.Thread):
         cls = {"router": "Ingress", "rollout_worker": "RolloutWorker", "train_worker": "RayTrainWorker"}[fault]
         if fault == "router":  # the ingress deployment's Serve replica process (deployment `Ingress`)
             title = f"ServeReplica:{self.cfg.rollout.app_name}:Ingress"
-            pids = _my_processes(title)
+            pids = descendant_pids(title)
             if not pids:
                 raise LookupError(f"no router ingress process found ({title})")
             return {"pid": pids[0], "what": f"router ingress ({title})"}

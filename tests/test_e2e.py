@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from app.report import proportion_z
+from benchmarks._common import descendant_pids
 from common import config as C
 from tests._serve_helpers import free_port
 
@@ -33,29 +34,6 @@ def _rows(path: Path) -> list[dict]:
     return rows
 
 
-def _train_worker_pids() -> list[int]:
-    """Ray Train's worker processes of this test's Ray instance (Ray titles an actor's process
-    `ray::CLASS`): descendants of this process only, so no other Ray instance on the machine is touched."""
-    parent, cmdline = {}, {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError, ValueError):
-            continue
-
-    def mine(pid: int) -> bool:
-        while pid > 1:
-            if pid == os.getpid():
-                return True
-            pid = parent.get(pid, 0)
-        return False
-
-    return sorted(pid for pid, cmd in cmdline.items() if cmd.startswith("ray::RayTrainWorker") and mine(pid))
-
-
 class KillTrainWorker(threading.Thread):
     """The fault, from outside the trainer: once the run has logged step `after_step`, SIGKILL one of
     Ray Train's worker processes (like an OOM kill: no goodbye). Either rank will do: Ray Train restarts
@@ -72,10 +50,11 @@ class KillTrainWorker(threading.Thread):
             rows = _rows(self.metrics_path)
             if not rows or max(r["step"] for r in rows) < self.after_step:
                 continue
-            pids = _train_worker_pids()
+            pids = descendant_pids("ray::RayTrainWorker")
             if pids:
-                os.kill(pids[-1], signal.SIGKILL)
-                self.killed = {"pid": pids[-1], "after_step": max(r["step"] for r in rows), "time": time.time()}
+                victim = max(pids)
+                os.kill(victim, signal.SIGKILL)
+                self.killed = {"pid": victim, "after_step": max(r["step"] for r in rows), "time": time.time()}
                 return
 
 
