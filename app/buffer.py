@@ -175,8 +175,10 @@ class RolloutBuffer:
             self.requeued_stale += len(stale)
         return True
 
-    async def get_batch(self, trainer_version: int, n_groups: int, timeout: float = 1800.0) -> dict:
-        """Wait for `n_groups` acceptable groups and hand them out (oldest first)."""
+    async def get_batch(self, trainer_version: int, n_groups: int, timeout: float = 1800.0) -> dict | None:
+        """Wait for `n_groups` acceptable groups and hand them out (oldest first); None once the buffer
+        is closed: the driver ended the run (a failure elsewhere, a stall, Ctrl-C), and the trainer stops
+        instead of failing into Ray Train's restarts."""
         t0 = time.perf_counter()
         async with self._cond:
             self._advance(trainer_version)
@@ -184,7 +186,7 @@ class RolloutBuffer:
                 self._cond.wait_for(lambda: self._closed or (self._drop_stale() and len(self._q) >= n_groups)),
                 timeout)
             if len(self._q) < n_groups:
-                raise RuntimeError("rollout buffer closed before a full batch arrived")
+                return None
             groups = [self._q.popleft() for _ in range(n_groups)]
             self.taken_groups += n_groups
             filtered, self._filtered = self._filtered, []

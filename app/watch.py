@@ -17,6 +17,9 @@ from common.config import Config
 logger = logging.getLogger("app")
 
 INGRESS_STATS_EVERY_S = 5.0
+FIT_THREAD = "trainer-fit"
+# A step in flight finishes before the trainer reads the closed buffer; minutes on CPU at worst.
+FIT_STOP_TIMEOUT_S = 120.0
 
 
 class StallError(RuntimeError):
@@ -238,7 +241,7 @@ def train_and_watch(trainer, progress: Progress, buffer, worker_runs: list) -> T
     import ray
 
     outcome: dict = {}
-    fit = threading.Thread(target=lambda: outcome.update(result=_fit(trainer)), daemon=True)
+    fit = threading.Thread(target=lambda: outcome.update(result=_fit(trainer)), name=FIT_THREAD, daemon=True)
     fit.start()
     try:
         with CtrlC(buffer) as ctrl_c:
@@ -251,6 +254,11 @@ def train_and_watch(trainer, progress: Progress, buffer, worker_runs: list) -> T
     finally:
         progress.close()
         ray.get(buffer.close.remote())
+        # A run that failed outside the trainer: the closed buffer ends its loop (no restarts), and the
+        # driver waits for it, so no thread is inside Ray when the caller tears Ray down.
+        fit.join(timeout=FIT_STOP_TIMEOUT_S)
+        if fit.is_alive():
+            logger.warning("the trainer did not stop within %.0fs of the run ending", FIT_STOP_TIMEOUT_S)
     return TrainOutcome(outcome.get("result"), interrupted)
 
 

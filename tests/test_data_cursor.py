@@ -288,3 +288,18 @@ def test_grants_wait_for_the_served_version():
         assert (st["trainer_version"], st["ready_version"]) == (2, 2)
 
     asyncio.run(go())
+
+
+def test_closed_buffer_ends_a_waiting_trainer():
+    """The driver closing the buffer (a failure elsewhere) answers the trainer's wait with None, which
+    ends its loop; an error here would send Ray Train into restarts of a run that is already over."""
+    async def go():
+        b = _buffer(max_staleness=1, per_step=2)
+        waiting = asyncio.ensure_future(b.get_batch(0, 2, timeout=5))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await b.close()
+        assert await asyncio.wait_for(waiting, 1) is None
+        assert await b.acquire(worker_id=0) is None
+
+    asyncio.run(go())

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -306,7 +307,7 @@ def test_failed_run_leaves_no_actor_or_app(serve_env, tmp_path):
     import ray
     from ray import serve
 
-    from app import driver
+    from app import driver, watch
     from common import config as C
 
     sets = [f"model.path={serve_env.model_dir}", "model.build_tiny=false", f"run.out_dir={tmp_path}",
@@ -317,6 +318,9 @@ def test_failed_run_leaves_no_actor_or_app(serve_env, tmp_path):
     cfg = C.load("recipes/tiny-cpu.yaml", sets)
     with pytest.raises(Exception, match="boom"):
         driver.run(cfg, progress=False)
+    # the trainer ended with the run: no thread of it is inside Ray when the fixture shuts Ray down
+    # (one left running crashed the test process in ray.shutdown: exit 139)
+    assert not [t for t in threading.enumerate() if t.name == watch.FIT_THREAD]
     for name in ("adapter-registry", "rollout-buffer", "run-metrics"):
         with pytest.raises(ValueError):
             ray.get_actor(name, namespace="lora_grpo")

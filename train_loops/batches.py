@@ -58,11 +58,18 @@ def synthetic_batch(seed: int, step: int, n_groups: int, group_size: int, vocab:
     return StepBatch(groups=groups)
 
 
-def buffer_batch(buffer, trainer_version: int, n_groups: int) -> StepBatch:
-    """Rank 0 only: block on the RolloutBuffer actor (`buffer`, its handle) for one step's groups."""
+class RunClosed(Exception):
+    """The driver closed the rollout buffer before the trainer's last step: the run ended elsewhere."""
+
+
+def buffer_batch(buffer, trainer_version: int, n_groups: int) -> StepBatch | None:
+    """Rank 0 only: block on the RolloutBuffer actor (`buffer`, its handle) for one step's groups; None
+    once the driver closed the buffer."""
     import ray
 
     out = ray.get(buffer.get_batch.remote(trainer_version, n_groups))
+    if out is None:
+        return None
     return StepBatch(groups=out["groups"], staleness_mean=float(out["staleness_mean"]),
                      staleness_max=int(out["staleness_max"]), dropped_samples=int(out["dropped_samples"]),
                      wait_seconds=float(out["wait_seconds"]), filtered=list(out.get("filtered") or []))

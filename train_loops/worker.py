@@ -32,7 +32,7 @@ from common.config import Config, from_dict, validate
 from common.data_cursor import ConsumedPrompts, parse_prompt_key, prompt_key
 from common.names import BUFFER_NAME, METRICS_NAME, REGISTRY_NAME
 from train_loops import checkpoint as ckpt
-from train_loops.batches import StepBatch, buffer_batch, collate, synthetic_batch
+from train_loops.batches import RunClosed, StepBatch, buffer_batch, collate, synthetic_batch
 from train_loops.losses import get_policy_loss
 
 _MAX_KEYS = ("log_ratio_abs_max",)
@@ -163,7 +163,12 @@ class GRPOWorker:
         every = self.cfg.checkpoint.every
         row = {}
         for step in range(self.state["step"] + 1, total + 1):
-            row = self._profiled_step(step) if step == self.cfg.train.profile_step else self.step(step)
+            try:
+                row = self._profiled_step(step) if step == self.cfg.train.profile_step else self.step(step)
+            except RunClosed:  # the driver already failed or stopped the run: end without a checkpoint
+                if self.rank == 0:
+                    print(f"trainer: rollout buffer closed before step {step}: the driver ended the run", flush=True)
+                return
             saved = (every and step % every == 0) or step == total
             if saved:
                 self.save_checkpoint(step, row)
@@ -234,6 +239,8 @@ class GRPOWorker:
             batch = buffer_batch(self.buffer, self.publisher.version, grpo.prompts_per_step)
         obj = [batch]
         dist.broadcast_object_list(obj, src=0, device=self._obj_device())
+        if obj[0] is None:  # every rank learns it together, so none waits in a collective
+            raise RunClosed
         return obj[0]
 
     def learn(self, batch_samples: list) -> dict:
