@@ -290,6 +290,10 @@ class RolloutConfig:
     max_inflight_per_replica: int | None = _field(
         None, "REST + rollout requests in flight per replica (the router ingress admits at most this x replicas); "
               "a REST request over it is answered 429 with Retry-After. null = 4 x max_num_seqs.")
+    tool_parser: str | None = _field(
+        "hermes", "vLLM tool parser for REST chat completions with `tools` and tool_choice auto (a name vLLM's "
+                  "ToolParserManager knows: hermes for the Qwen/Hermes <tool_call> format); null = auto tool "
+                  "choice off (named and `required` tool choice still work).")
 
     def problems(self) -> list[str]:
         return _broken(
@@ -436,6 +440,29 @@ class EvalConfig:
 
 
 @dataclass
+class EnvConfig:
+    cls: str | None = _field(
+        None, "Multi-turn environment `module:Class` (docs/MULTITURN.md): per episode `Class(row)`, then "
+              "`reset() -> messages` and `step(assistant_text) -> {observations, reward, done}` (plain or async). "
+              "null = single-turn: one prompt, one completion.")
+    max_turns: int = _field(4, "Assistant turns per episode at most; an episode still going then is truncated.")
+    max_episode_tokens: int | None = _field(
+        None, "Tokens per episode (prompt, every turn, every observation) at most; a turn that would pass it "
+              "truncates the episode. null = model.max_model_len.")
+    step_timeout_s: float = _field(60.0, "Seconds one reset() or step() may take; longer fails its episode.")
+
+    def problems(self) -> list[str]:
+        return _broken(
+            (self.cls is None or (":" in self.cls and all(self.cls.split(":", 1))),
+             f"env.cls: {self.cls!r} is not `module:Class`"),
+            (self.max_turns >= 1, f"env.max_turns: must be >= 1, got {self.max_turns}"),
+            (self.max_episode_tokens is None or self.max_episode_tokens >= 2,
+             f"env.max_episode_tokens: must be >= 2 or null, got {self.max_episode_tokens}"),
+            (self.step_timeout_s > 0, f"env.step_timeout_s: must be > 0, got {self.step_timeout_s}"),
+        )
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -449,6 +476,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     # Derived values live here, computed from fields, never stored twice.
     @property
@@ -499,6 +527,8 @@ def _cross_section_problems(cfg: Config) -> list[str]:
         (cfg.sync.mode == "merge" or cfg.lora.rank <= rollout.max_lora_rank,
          f"lora.rank: {cfg.lora.rank} exceeds rollout.max_lora_rank {rollout.max_lora_rank}; raise max_lora_rank "
          "or set sync.mode=merge"),
+        (cfg.env.max_episode_tokens is None or cfg.env.max_episode_tokens <= model.max_model_len,
+         f"env.max_episode_tokens: {cfg.env.max_episode_tokens} exceeds model.max_model_len {model.max_model_len}"),
         (cfg.eval.path != "builtin:letters-heldout" or cfg.data.builtin_size <= 4096,
          f"eval.path: builtin:letters-heldout is disjoint from the first 4096 builtin:letters prompts only; "
          f"data.builtin_size is {cfg.data.builtin_size}"),
