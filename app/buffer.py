@@ -76,6 +76,8 @@ class RolloutBuffer:
         self.filtered_total = self.requeued_failed = self.requeued_stale = self.requeued_reset = 0
         self.rewound = 0
         self._stop = False
+        self._env_failures: dict[str, int] = {}  # prompt key -> episodes of it an environment failed
+        self.env_requeued = self.env_dropped = 0
 
     def _may_grant(self) -> bool:
         return self.granted // self.groups_per_step <= self.ready_version + self.lead
@@ -110,17 +112,24 @@ class RolloutBuffer:
         return True
 
     async def release(self, worker_id, epoch: int, prompt_id: str, *, requeue: bool = False,
-                      filtered: bool = False, expired: bool = False) -> None:
+                      filtered: bool = False, expired: bool = False, env_failed: bool = False) -> None:
         """Give back a slot whose group failed or was dropped. `requeue` hands its prompt out again (a
         failed generation); `filtered` (dynamic sampling dropped the group: no signal) has it accounted
         for in the trainer's record with the next batch, never sampled again this epoch. `expired`: the
         group's version expired mid-generation (aborted: it would have been dropped as stale), counted
-        in `expired_groups`."""
+        in `expired_groups`. `env_failed`: a multi-turn environment failed an episode; the prompt comes
+        again once, and a second failure has it accounted for like a filtered one (`env_dropped`)."""
         async with self._cond:
             if not self._pop_slot(worker_id, epoch, prompt_id):
                 return  # already given back by reset_worker (which requeued its prompt)
             self.granted -= 1
             self.expired_groups += int(expired)
+            if env_failed:
+                key = prompt_key(epoch, prompt_id)
+                self._env_failures[key] = self._env_failures.get(key, 0) + 1
+                requeue, filtered = self._env_failures[key] == 1, self._env_failures[key] > 1
+                self.env_requeued += int(requeue)
+                self.env_dropped += int(filtered)
             if requeue:
                 self.source.requeue(epoch, prompt_id)
                 if expired:
@@ -237,7 +246,8 @@ class RolloutBuffer:
                 "prompts": {**self.source.state(), "pending": self._pending(),
                             "requeued_failed": self.requeued_failed, "requeued_stale": self.requeued_stale,
                             "requeued_reset": self.requeued_reset, "filtered": self.filtered_total,
-                            "rewound": self.rewound}}
+                            "rewound": self.rewound, "env_requeued": self.env_requeued,
+                            "env_dropped": self.env_dropped}}
 
     def _pending(self) -> list[str]:
         """Prompts handed out and not yet taken by the trainer: waiting to be handed out again, being

@@ -45,6 +45,20 @@ def letters_task(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def letter_hunt(letters_rows: list[dict], seed: int = 0) -> list[dict]:
+    """The multi-turn toy task (app/builtin_envs.LetterHunt) over letters rows: "Guess my letter: Q, K or
+    Z." with the target among the three in a random place; ids `hunt-...`."""
+    rng = random.Random(seed + 7)
+    rows = []
+    for r in letters_rows:
+        target, others = letters_key(r["prompt"])
+        choices = [target, *sorted(others)]
+        rng.shuffle(choices)
+        rows.append({"id": r["id"].replace("letters", "hunt", 1), "answer": target,
+                     "prompt": f"Guess my letter: {choices[0]}, {choices[1]} or {choices[2]}."})
+    return rows
+
+
 # `builtin:letters-heldout` never asks what the first HELDOUT_EXCLUDE prompts of `builtin:letters` (same
 # data.shuffle_seed) ask, so it stays disjoint from the training prompts for any data.builtin_size up to it.
 HELDOUT_EXCLUDE = 4096
@@ -255,11 +269,12 @@ def load_prompts_with_report(cfg: DataConfig) -> PromptLoad:
     key, split, column or row at fault."""
     if cfg.path.startswith("builtin:"):
         task = cfg.path.split(":", 1)[1]
-        if task == "letters-heldout":  # evaluation prompts (eval.path), disjoint from builtin:letters
-            return PromptLoad(letters_heldout(cfg.builtin_size, cfg.shuffle_seed), source=cfg.path)
-        if task != "letters":
-            raise DataError(f"data.path: unknown builtin task {task!r} (known: letters, letters-heldout)")
-        return PromptLoad(letters_task(cfg.builtin_size, cfg.shuffle_seed), source=cfg.path)
+        builtin = {"letters": letters_task, "letters-heldout": letters_heldout,  # heldout: for eval.path
+                   "letter-hunt": lambda n, seed: letter_hunt(letters_task(n, seed), seed),
+                   "letter-hunt-heldout": lambda n, seed: letter_hunt(letters_heldout(n, seed), seed)}
+        if task not in builtin:
+            raise DataError(f"data.path: unknown builtin task {task!r} (known: {', '.join(builtin)})")
+        return PromptLoad(builtin[task](cfg.builtin_size, cfg.shuffle_seed), source=cfg.path)
     table, source = _resolve(cfg)
     cols = table.names
     for key in ("prompt_column", "answer_column", "id_column"):

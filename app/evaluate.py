@@ -70,8 +70,16 @@ class Evaluator:
         self.cfg: Config = from_dict(cfg)
         self.rows = rows
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
-        self.prompts = [render_prompt(r, self.tokenizer, self.cfg.data) for r in rows]
-        self.scorer = load_scorer(self.cfg.reward.fn)
+        self.scorer = load_scorer(self.cfg.reward.fn) if self.cfg.reward.fn else None
+        self.episodes = None
+        if self.cfg.env.cls:  # multi-turn: each eval prompt is an episode, scored like the rollouts
+            from app.episodes import EpisodeRollout
+
+            self.episodes = EpisodeRollout(self.cfg, self.tokenizer, self.scorer)
+            self.prompts = [[] for _ in rows]
+        else:
+            self.prompts = [render_prompt(r, self.tokenizer, self.cfg.data) for r in rows]
+        self.env_errors = 0
         self._handle = None
 
     def _ingress(self):
@@ -84,6 +92,11 @@ class Evaluator:
     async def _one(self, sem: asyncio.Semaphore, ids: list[int], row: dict, version: int | None, k: int
                    ) -> tuple[float, list[float] | None, int]:
         grpo = self.cfg.grpo
+        if self.episodes is not None:
+            async with sem:
+                greedy = await self._episode(row, version, 0.0)
+                sampled = [await self._episode(row, version, grpo.temperature) for _ in range(k)] if k > 1 else None
+            return greedy[0], [r for r, _ in sampled] if sampled else None, greedy[1]
         async with sem:
             greedy = await self._ingress().generate_group.remote(
                 ids, 1, version, {"max_tokens": grpo.max_new_tokens, "temperature": 0.0, "logprobs": False})
@@ -94,6 +107,27 @@ class Evaluator:
                                       "top_p": grpo.top_p, "logprobs": False})
         score = lambda c: float(self.scorer(c["text"], row, c.get("finish_reason")))  # noqa: E731
         return score(greedy[0]), [score(c) for c in sampled] if sampled else None, int(greedy[0]["version"])
+
+    async def _episode(self, row: dict, version: int | None, temperature: float) -> tuple[float, int]:
+        """One episode's reward and version; an environment failure scores 0 (counted)."""
+        from app.envs import EnvError
+
+        if version is None:
+            version = await self._ingress().pin_version.remote()
+        sampling = {"temperature": temperature, "top_p": self.cfg.grpo.top_p if temperature else 1.0,
+                    "logprobs": False}
+
+        async def generate(ids, max_tokens, replica):
+            out = await self._ingress().generate_group.remote(ids, 1, version, dict(sampling, max_tokens=max_tokens),
+                                                              replica=replica)
+            return dict(out[0], logprobs=[0.0] * len(out[0]["token_ids"]))
+
+        try:
+            ep = await self.episodes.play(row, generate)
+        except EnvError:
+            self.env_errors += 1
+            return 0.0, int(version)
+        return self.episodes.reward(ep, row), int(ep.version)
 
     async def run(self, version: int | None = None, step: int = 0) -> dict:
         """Score the eval prompts under one version (see pick_version); returns eval/* metrics plus
@@ -107,6 +141,8 @@ class Evaluator:
         out = score_eval([r[0] for r in res], [r[1] for r in res] if k > 1 else None, k)
         served = {r[2] for r in res}
         out.update({"eval/version": max(served), "eval/step": int(step), "eval/seconds": time.perf_counter() - t0})
+        if self.episodes is not None:
+            out["eval/env_errors"] = self.env_errors
         return out
 
 

@@ -26,7 +26,29 @@ def preflight(cfg: Config) -> list[dict]:
     ensure_model(cfg.model.path, cfg.model.build_tiny, cfg.model.tiny_seed, cfg.model.tiny_shape)
     rows = load_prompts(cfg.data)
     check_target_modules(cfg)
+    if cfg.env.cls:
+        check_episodes(cfg, rows[0])
     return rows
+
+
+def check_episodes(cfg: Config, row: dict) -> None:
+    """A multi-turn run's environment on its first data row (it loads, builds and resets into chat
+    messages), and the chat template appending turns token-exactly: one ConfigError naming env.cls
+    before any engine starts."""
+    from transformers import AutoTokenizer
+
+    from app.chat_tokens import ChatTokens, TemplateError
+    from app.envs import check_env, load_env
+
+    try:
+        check_env(cfg.env.cls, row, cfg.env.step_timeout_s)
+        env = load_env(cfg.env.cls)(row)
+        chat = ChatTokens(AutoTokenizer.from_pretrained(cfg.model.path), tools=getattr(env, "tools", None))
+        chat.suffix([{"role": "user", "content": "x"}])
+    except TemplateError as e:
+        raise ConfigError([f"env.cls: {e}"]) from None
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
 
 
 def check_target_modules(cfg: Config) -> None:

@@ -2,9 +2,11 @@
 
 Signature: `fn(completion: str, answer: str, prompt: str) -> float`. A function that also accepts the
 keyword `row` gets the whole data row (a dict: id, prompt, answer and any extra columns), and one that
-accepts `finish_reason` gets vLLM's reason the completion ended ("stop", "length", ...); `**kwargs` gets
-both. `load_scorer` inspects the signature once. They run in the rollout workers (or as Ray tasks with
-reward.where=task), so they must be picklable module-level functions.
+accepts `finish_reason` gets vLLM's reason the completion ended ("stop", "length", ...); in a multi-turn
+run (env.cls) `completion` is the last assistant turn and one that accepts `trajectory` gets the whole
+episode ({messages, finish_reasons, step_rewards, truncated}); `**kwargs` gets them all. `load_scorer`
+inspects the signature once. They run in the rollout workers (or as Ray tasks with reward.where=task), so
+they must be picklable module-level functions.
 
 `overlong_penalty` is DAPO's soft overlong punishment, added to the reward by the rollout workers when
 grpo.dapo_overlong_buffer > 0.
@@ -82,7 +84,7 @@ def overlong_penalty(length: int, max_len: int, buffer: int, penalty: float = 1.
     return -penalty * min(over / buffer, 1.0)
 
 
-_EXTRAS = ("row", "finish_reason")
+_EXTRAS = ("row", "finish_reason", "trajectory")
 
 
 def extra_reward_kwargs(fn: Callable) -> tuple[str, ...]:
@@ -104,8 +106,9 @@ class Scorer:
     fn: Callable
     extras: tuple[str, ...] = ()
 
-    def __call__(self, completion: str, row: dict, finish_reason: str | None = None) -> float:
-        given = {"row": row, "finish_reason": finish_reason}
+    def __call__(self, completion: str, row: dict, finish_reason: str | None = None,
+                 trajectory: dict | None = None) -> float:
+        given = {"row": row, "finish_reason": finish_reason, "trajectory": trajectory}
         return float(self.fn(completion, row["answer"], row["prompt"], **{k: given[k] for k in self.extras}))
 
 

@@ -67,7 +67,12 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.buffer, self.metrics = named_actor(buffer_name), named_actor(metrics_name)
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
-        self.scorer = load_scorer(self.cfg.reward.fn)
+        self.scorer = load_scorer(self.cfg.reward.fn) if self.cfg.reward.fn else None
+        self.episodes = None
+        if self.cfg.env.cls:
+            from app.episodes import EpisodeRollout
+
+            self.episodes = EpisodeRollout(self.cfg, self.tokenizer, self.scorer)
         self.groups_done = 0
         self.filtered_groups = 0  # dynamic sampling: groups dropped for all-equal rewards
         self.rollout_retries = 0  # whole-group retries after a lost ingress / replica
@@ -114,6 +119,8 @@ class RolloutWorker:
         from app.data import render_prompt
         from train_loops.grpo import group_advantages
 
+        if self.episodes is not None:
+            return await self.rollout_episodes(row)
         grpo = self.cfg.grpo
         prompt_ids = render_prompt(row, self.tokenizer, self.cfg.data)
         sampling = {"max_tokens": grpo.max_new_tokens, "temperature": grpo.temperature, "top_p": grpo.top_p,
@@ -137,14 +144,57 @@ class RolloutWorker:
         return Group(samples=samples, version=version, prompt_id=row["id"], gen_seconds=gen_s,
                      gen_tokens=sum(len(comp["token_ids"]) for comp in comps))
 
-    async def _generate_group(self, prompt_ids: list[int], n: int, sampling: dict) -> list[dict]:
+    async def rollout_episodes(self, row: dict) -> Group:
+        """G multi-turn episodes of one row (app/episodes.py), all under the version pinned now; their
+        rewards -> group advantages -> one Sample per episode, its environment tokens masked out. An
+        environment failure (EnvError) fails the group: the others are cancelled."""
+        import torch
+
+        from train_loops.grpo import group_advantages
+
+        grpo = self.cfg.grpo
+        version = await ROLLOUT_GROUP.run(lambda: self._ingress_handle().pin_version.remote(),
+                                          on_retry=lambda *_: setattr(self, "_ingress", None))
+        sampling = {"temperature": grpo.temperature, "top_p": grpo.top_p, "logprobs": True}
+        if grpo.ignore_eos:
+            sampling["ignore_eos"] = True
+
+        async def generate(ids: list[int], max_tokens: int, replica: str | None) -> dict:
+            comps = await self._generate_group(ids, 1, dict(sampling, max_tokens=max_tokens), version, replica)
+            return comps[0]
+
+        t0 = time.perf_counter()
+        running = [asyncio.ensure_future(self.episodes.play(row, generate)) for _ in range(grpo.group_size)]
+        try:
+            episodes = await asyncio.gather(*running)
+        except BaseException:  # the first failure decides; the group's other episodes stop
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            raise
+        gen_s = time.perf_counter() - t0
+        await self._check_served([turn for ep in episodes for turn in ep.turns])
+        rewards = [self.episodes.reward(ep, row) for ep in episodes]
+        advantages = group_advantages(torch.tensor([rewards]), scale_by_std=self.cfg.scale_advantages)[0].tolist()
+        samples = [Sample(prompt_ids=ep.prompt_ids, completion_ids=ep.completion_ids, behaviour_logprobs=ep.logprobs,
+                          reward=reward, advantage=advantage, version=ep.version, prompt_id=row["id"],
+                          group_id=f"{self.worker_id}-{self.groups_done}", completion_mask=ep.mask,
+                          episode=ep.stats.to_dict())
+                   for ep, reward, advantage in zip(episodes, rewards, advantages)]
+        return Group(samples=samples, version=episodes[0].version, prompt_id=row["id"], gen_seconds=gen_s,
+                     gen_tokens=sum(ep.stats.sampled_tokens for ep in episodes))
+
+    async def _generate_group(self, prompt_ids: list[int], n: int, sampling: dict, version: int | None = None,
+                              replica: str | None = None) -> list[dict]:
         """The ingress's generate_group; a call that lost its ingress (or a replica the ingress could
         not replace) is retried whole through a fresh app handle (ROLLOUT_GROUP). The group's version
-        is whatever the ingress pins for the attempt that succeeds: no sample of a failed attempt is kept."""
+        is whatever the ingress pins for the attempt that succeeds (`version`: that one exactly): no
+        sample of a failed attempt is kept. `replica`: an episode's session (rollout_front.py)."""
 
         async def attempt() -> list[dict]:
-            return await self._ingress_handle().generate_group.remote(prompt_ids, n, None, sampling,
-                                                                      drop_if_expired=True)
+            session = {"replica": replica} if replica is not None else {}
+            return await self._ingress_handle().generate_group.remote(prompt_ids, n, version, sampling,
+                                                                      drop_if_expired=True, **session)
 
         def fresh_handle(retry: int, error: BaseException) -> None:
             self._ingress = None
@@ -205,6 +255,8 @@ class RolloutWorker:
             self._started = True
             await self.buffer.reset_worker.remote(self.worker_id)
             self._count("rollout_retries", 0)  # the 0 is visible on the rows
+            if self.episodes is not None:
+                self._count("env_errors", 0)
         await asyncio.gather(*(self._loop() for _ in range(self.cfg.rollout.groups_per_worker)))
         return self.groups_done
 
@@ -218,6 +270,14 @@ class RolloutWorker:
             try:
                 group = await self.rollout_one(row)
             except Exception as error:
+                from app.envs import EnvError
+
+                if isinstance(error, EnvError):
+                    # Only this group is lost: its prompt is handed out again once, then counted as used.
+                    await self.buffer.release.remote(**slot, env_failed=True)
+                    self._count("env_errors", 1)
+                    logger.warning("worker %s: episode of row %s failed: %s", self.worker_id, row.get("id"), error)
+                    continue
                 if is_gone(error):
                     # Its version expired (too stale to train on before it finished) or merged weights of a
                     # newer one replaced it: the slot makes a fresh group under the newest version right

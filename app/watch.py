@@ -113,6 +113,12 @@ class Progress:
                   f"dropped {row.get('dropped_samples', 0)}",
                   f"gen {sum(tps) / len(tps):.0f} tok/s" if tps else "gen - tok/s",
                   f"sync {1e3 * sorted(pub)[len(pub) // 2]:.0f} ms" if pub else "sync -"]
+        if "episode_turns_mean" in row:  # multi-turn runs
+            hits = " ".join(f"{row[k]:.2f}" for k in sorted(k for k in row if k.startswith("prefix_hit_turn")))
+            parts.append(f"turns {row['episode_turns_mean']:.2f} (truncated {row['episode_truncated']}) "
+                         f"tools {row['tool_calls_mean']:.2f}/ep, {row['tool_errors']} err | env errors "
+                         f"{row.get('env_errors', 0)} | env tokens {100 * row['env_tokens_fraction']:.0f}% | "
+                         f"prefix hit/turn {hits}")
         return " | ".join(parts)
 
     def _warn_counts(self, row: dict) -> None:

@@ -118,14 +118,16 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str = _field(
+    fn: str | None = _field(
         "app.rewards:letter_reward", "Reward function `module:function(completion, answer, prompt) -> float`; "
-                                     "it also gets the data row (`row=`, every column) and vLLM's "
-                                     "`finish_reason=` (stop | length) when it accepts those keywords.")
+                                     "it also gets the data row (`row=`, every column), vLLM's "
+                                     "`finish_reason=` (stop | length) and, in a multi-turn run, the episode "
+                                     "(`trajectory=`) when it accepts those keywords. null (multi-turn only): "
+                                     "an episode's reward is the sum of its environment's step rewards.")
     where: RewardPlace = _field("worker", "Run rewards in the rollout worker (`worker`) or as Ray tasks (`task`).")
 
     def problems(self) -> list[str]:
-        return _broken((":" in self.fn, f"reward.fn: {self.fn!r} is not `module:function`"))
+        return _broken((self.fn is None or ":" in self.fn, f"reward.fn: {self.fn!r} is not `module:function`"))
 
 
 @dataclass
@@ -527,9 +529,13 @@ def _cross_section_problems(cfg: Config) -> list[str]:
         (cfg.sync.mode == "merge" or cfg.lora.rank <= rollout.max_lora_rank,
          f"lora.rank: {cfg.lora.rank} exceeds rollout.max_lora_rank {rollout.max_lora_rank}; raise max_lora_rank "
          "or set sync.mode=merge"),
+        (cfg.reward.fn is not None or cfg.env.cls is not None,
+         "reward.fn: null needs env.cls (a multi-turn environment's step rewards); single-turn runs need a reward "
+         "function"),
         (cfg.env.max_episode_tokens is None or cfg.env.max_episode_tokens <= model.max_model_len,
          f"env.max_episode_tokens: {cfg.env.max_episode_tokens} exceeds model.max_model_len {model.max_model_len}"),
-        (cfg.eval.path != "builtin:letters-heldout" or cfg.data.builtin_size <= 4096,
+        (cfg.eval.path not in ("builtin:letters-heldout", "builtin:letter-hunt-heldout")
+         or cfg.data.builtin_size <= 4096,
          f"eval.path: builtin:letters-heldout is disjoint from the first 4096 builtin:letters prompts only; "
          f"data.builtin_size is {cfg.data.builtin_size}"),
     )

@@ -29,7 +29,10 @@ def lora_int_id(version: int) -> int:
 
 @dataclass
 class Sample:
-    """One scored completion, ready for the GRPO loss."""
+    """One scored completion, ready for the GRPO loss. A multi-turn episode is one Sample too: its
+    `completion_ids` are every token after the opening prompt (each turn the engine sampled and the
+    observations between them), `completion_mask` marks the sampled ones (1) from the context the
+    environment added (0), and `behaviour_logprobs` has one entry per completion token (0.0 on context)."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -39,6 +42,13 @@ class Sample:
     version: int  # policy version that sampled it
     prompt_id: str = ""
     group_id: str = ""
+    completion_mask: list[int] | None = None  # None: every completion token was sampled (single-turn)
+    episode: dict | None = None  # multi-turn only: app/episodes.EpisodeStats as a dict
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Tokens the policy sampled (the ones the loss covers)."""
+        return len(self.completion_ids) if self.completion_mask is None else sum(self.completion_mask)
 
 
 @dataclass

@@ -91,9 +91,15 @@ class Ingress:
     # ------------------------------------------------------------------ handle methods
 
     async def generate_group(self, prompt_token_ids: list[int], n: int, version: int | None = None,
-                             sampling: dict | None = None, drop_if_expired: bool = False) -> list[dict]:
+                             sampling: dict | None = None, drop_if_expired: bool = False,
+                             replica: str | None = None) -> list[dict]:
         """n samples of one prompt under one pinned version (rollout_front.RolloutFront.generate_group)."""
-        return await self._rollouts.generate_group(prompt_token_ids, n, version, sampling, drop_if_expired)
+        return await self._rollouts.generate_group(prompt_token_ids, n, version, sampling, drop_if_expired,
+                                                   replica)
+
+    async def pin_version(self) -> int:
+        """The version a rollout started now would pin (rollout_front.RolloutFront.pin_version)."""
+        return await self._rollouts.pin_version()
 
     async def load_adapter(self, version: int) -> dict:
         """Load a registry version on every replica, all or nothing (weights_broadcaster.py)."""

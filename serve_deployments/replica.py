@@ -107,11 +107,16 @@ def _has_cuda() -> bool:
 
 @serve.deployment
 class RolloutReplica:
-    async def __init__(self, engine: dict, registry_name: str, registry_namespace: str, max_loras: int):
+    async def __init__(self, engine: dict, registry_name: str, registry_namespace: str, max_loras: int,
+                       tool_parser: str | None = None):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from serve_deployments.vllm_compat import check_tool_parser
+
         t0 = time.perf_counter()
+        check_tool_parser(tool_parser)  # a misspelt rollout.tool_parser fails before the engine starts
+        self._tool_parser = tool_parser
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (unit use)
@@ -158,20 +163,30 @@ class RolloutReplica:
         return self._merged.version
 
     def _init_openai(self):
-        """vLLM's own OpenAI serving classes over this engine: schema, validation, logprobs, SSE."""
-        from serve_deployments.vllm_compat import openai_serving_classes
+        """vLLM's own OpenAI serving classes over this engine: schema, validation, logprobs, SSE, and tool
+        calling (`rollout.tool_parser`: vLLM's auto tool choice with that parser; None: off, and vLLM then
+        refuses every tool_choice but "none")."""
+        from serve_deployments.vllm_compat import openai_serving_classes, tool_parser_error, tool_serving_kwargs
 
         (OpenAIServingModels, BaseModelPath, OpenAIServingCompletion, OpenAIServingChat, OnlineRenderer,
          *_) = openai_serving_classes()
 
         names = [BASE_NAME] + ([Path(self._model).name] if Path(self._model).name != BASE_NAME else [])
         self._models = OpenAIServingModels(self.engine, [BaseModelPath(name=n, model_path=self._model) for n in names])
-        renderer = OnlineRenderer(model_config=self.engine.model_config, renderer=self.engine.renderer,
-                                  request_logger=None, chat_template=None, chat_template_content_format="auto")
+        tools = tool_serving_kwargs(self._tool_parser)
+        try:  # vLLM tries the parser on the tokenizer here: a parser the model cannot use fails at start
+            renderer = OnlineRenderer(model_config=self.engine.model_config, renderer=self.engine.renderer,
+                                      request_logger=None, chat_template=None, chat_template_content_format="auto",
+                                      **tools)
+            self._chat = OpenAIServingChat(self.engine, self._models, "assistant", online_renderer=renderer,
+                                           request_logger=None, chat_template=None,
+                                           chat_template_content_format="auto", **tools)
+        except Exception as e:
+            if not tools:
+                raise
+            raise ValueError(tool_parser_error(self._tool_parser, e)) from e
         self._completion = OpenAIServingCompletion(self.engine, self._models, online_renderer=renderer,
                                                    request_logger=None)
-        self._chat = OpenAIServingChat(self.engine, self._models, "assistant", online_renderer=renderer,
-                                       request_logger=None, chat_template=None, chat_template_content_format="auto")
 
     async def _load_live_versions(self):
         """Start/restart: serve every live version before taking traffic (newest first if they
@@ -334,7 +349,8 @@ class RolloutReplica:
         text = c.text if detokenize else self._decode(c.token_ids)
         return {"token_ids": list(c.token_ids), "logprobs": logprobs, "text": text,
                 "finish_reason": c.finish_reason, "version": version, "prompt_token_ids": prompt_ids,
-                "replica_id": self.replica_id, "sha256": self._served_sha(version)}
+                "replica_id": self.replica_id, "sha256": self._served_sha(version),
+                "cached_tokens": int(final.num_cached_tokens or 0)}
 
     async def _final_output(self, prompt_ids, params, request_id, lora):
         final = None

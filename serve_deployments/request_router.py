@@ -19,6 +19,8 @@ The decision:
 - the replica with the longest match wins (round robin among ties), unless it has router.imbalance
   or more requests in flight than the least-loaded one: then spill there;
 - no match: least loaded, round robin among ties; router.policy round_robin: round robin only;
+- a key naming a `replica` (a multi-turn episode's session: the replica that served its previous turn,
+  whose KV cache holds the whole conversation so far) goes there while that replica is a candidate;
 - counters: affinity / spill / unmatched requests, and the cache-hit blocks this predicts.
 """
 from __future__ import annotations
@@ -40,7 +42,7 @@ _MANY = -1  # in `_children`: this block was followed by 2+ different blocks
 @dataclass
 class Decision:
     replica: Hashable
-    kind: str  # affinity | spill | unmatched | round_robin
+    kind: str  # affinity | spill | unmatched | round_robin | session
     matched: int  # prompt-specific blocks the chosen replica holds
     predicted_hit_blocks: int  # blocks from the start the chosen replica holds (capped like vLLM)
 
@@ -55,7 +57,7 @@ class RoutingPolicy:
     O(blocks x replicas).
     """
 
-    COUNTERS = ("requests", "affinity", "spill", "unmatched", "round_robin", "predicted_hit_blocks",
+    COUNTERS = ("requests", "affinity", "spill", "unmatched", "round_robin", "session", "predicted_hit_blocks",
                 "cacheable_blocks", "generic_blocks", "rerouted")
 
     def __init__(self, policy: str = "prefix", imbalance: int = 8, max_tracked_blocks: int = 100_000,
@@ -140,7 +142,10 @@ class RoutingPolicy:
         hashes = (key or {}).get("hashes") or []
         hit_cap = (key or {}).get("hit_cap", len(hashes))
         loads = {r: len(self._inflight[r]) for r in cands}
-        if self.policy == "round_robin":
+        session = (key or {}).get("replica")
+        if session is not None and session in loads:
+            d = Decision(session, "session", 0, 0)
+        elif self.policy == "round_robin":
             d = self._decide_round_robin(cands, hashes)
         else:
             d = self._decide_prefix(cands, hashes, loads)

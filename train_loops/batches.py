@@ -30,6 +30,26 @@ class StepBatch:
         r = torch.tensor([s.reward for s in self.samples], dtype=torch.float64)
         return float(r.mean()), float(r.std()) if r.numel() > 1 else 0.0
 
+    def episode_stats(self) -> dict:
+        """Multi-turn metrics of the step's episodes (none for single-turn samples): turns and tool calls
+        per episode, truncated episodes and tool errors in the step, the share of the trained sequences'
+        completion tokens the environment added, and per turn k the share of its prompt the engine found
+        in its prefix cache (`prefix_hit_turn{k}`)."""
+        eps = [s.episode for s in self.samples if s.episode is not None]
+        if not eps:
+            return {}
+        n = len(eps)
+        env, sampled = sum(e["env_tokens"] for e in eps), sum(e["sampled_tokens"] for e in eps)
+        out = {"episode_turns_mean": sum(e["turns"] for e in eps) / n,
+               "episode_truncated": sum(bool(e["truncated"]) for e in eps),
+               "tool_calls_mean": sum(e["tool_calls"] for e in eps) / n,
+               "tool_errors": sum(e["tool_errors"] for e in eps),
+               "env_tokens_fraction": env / max(1, env + sampled)}
+        for k in range(max(len(e["prefix_hits"]) for e in eps)):
+            hits = [e["prefix_hits"][k] for e in eps if len(e["prefix_hits"]) > k]
+            out[f"prefix_hit_turn{k + 1}"] = sum(hits) / len(hits)
+        return out
+
 
 def synthetic_batch(seed: int, step: int, n_groups: int, group_size: int, vocab: int,
                     max_new_tokens: int, scale_rewards: bool = True, prompt_len: int | None = None,
@@ -77,7 +97,7 @@ def buffer_batch(buffer, trainer_version: int, n_groups: int) -> StepBatch | Non
 
 def collate(samples: list[Sample], pad_id: int = 0, device: str | torch.device = "cpu") -> dict:
     """Right-padded prompt+completion ids, and per completion token: the position whose hidden state
-    predicts it (`pred_pos`), the token (`targets`), behaviour logprob and mask."""
+    predicts it (`pred_pos`), the token (`targets`), behaviour logprob and mask (sampled tokens only)."""
     rows = len(samples)
     width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     completion_width = max(len(s.completion_ids) for s in samples)
@@ -92,13 +112,19 @@ def collate(samples: list[Sample], pad_id: int = 0, device: str | torch.device =
         if len(sample.behaviour_logprobs) != n_completion:
             raise ValueError(f"sample {sample.prompt_id}/{sample.group_id}: {n_completion} completion tokens but "
                              f"{len(sample.behaviour_logprobs)} behaviour logprobs")
+        if sample.completion_mask is not None and len(sample.completion_mask) != n_completion:
+            raise ValueError(f"sample {sample.prompt_id}/{sample.group_id}: {n_completion} completion tokens but "
+                             f"a mask of {len(sample.completion_mask)}")
         end = n_prompt + n_completion
         input_ids[row, :end] = torch.tensor(sample.prompt_ids + sample.completion_ids)
         attn[row, :end] = 1
         pred_pos[row, :n_completion] = torch.arange(n_prompt - 1, end - 1)
         targets[row, :n_completion] = torch.tensor(sample.completion_ids)
         behaviour[row, :n_completion] = torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)
-        mask[row, :n_completion] = True
+        if sample.completion_mask is None:
+            mask[row, :n_completion] = True
+        else:  # multi-turn: the environment's tokens are context, never trained on
+            mask[row, :n_completion] = torch.tensor(sample.completion_mask, dtype=torch.bool)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     out = {"input_ids": input_ids, "attention_mask": attn, "pred_pos": pred_pos, "targets": targets,
            "behaviour_logp": behaviour, "mask": mask, "advantages": adv}

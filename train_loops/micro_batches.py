@@ -63,7 +63,7 @@ def step_denominators(rank_samples: list[list[Sample]]) -> tuple[float, float]:
     """(tokens, sequences) of the whole step, each divided by the world size: the data-parallel
     gradient average divides by the world size again, so the result is the mean over the step."""
     world = len(rank_samples)
-    tokens = sum(len(s.completion_ids) for r in rank_samples for s in r)
+    tokens = sum(s.sampled_tokens for r in rank_samples for s in r)
     seqs = sum(len(r) for r in rank_samples)
     return max(tokens, 1) / world, max(seqs, 1) / world
 
