@@ -1,17 +1,13 @@
 """The embedded multi-turn task, sized for the tiny model (recipes/tiny-multiturn.yaml).
 
-LetterHunt: the user thinks of one of three capital letters ("Guess my letter: Q, K or Z."). A right
-first guess scores 1 and ends the episode; a wrong one earns feedback naming the letter among the
-distractors ("wrong. say the letter K, not Q or Z."), and the second guess scores 1 if right. The first
-guess is a 1-in-3 chance whatever the policy does, so what GRPO can raise is the second turn: reading the
-feedback in a conversation that holds its own first answer. The feedback is lowercase but for the letters,
-so the only capitals in it are the three candidates.
+LetterHunt: the user thinks of a capital letter and says only "Guess my letter." A right first guess
+(a 1-in-26 fluke) scores 1 and ends the episode; a wrong one earns feedback that names the letter between
+two distractors ("wrong. say the letter K, not Q or Z."), and the second guess scores 1 if right. The
+answer is reachable only through the feedback, and what GRPO can raise is the second turn: reading the
+feedback in a conversation that holds the model's own first answer. The feedback is lowercase but for
+the letters, so the only capitals in it are the answer and its distractors.
 """
 from __future__ import annotations
-
-import re
-
-_LETTERS = re.compile(r"Guess my letter: ([A-Z]), ([A-Z]) or ([A-Z])\.")
 
 
 def first_capital(text: str) -> str | None:
@@ -20,10 +16,11 @@ def first_capital(text: str) -> str | None:
 
 class LetterHunt:
     def __init__(self, row: dict):
-        m = _LETTERS.fullmatch(row["prompt"])
-        if m is None or row["answer"] not in m.groups():
-            raise ValueError(f"row {row.get('id')!r} is not a letter-hunt row: {row['prompt']!r}")
-        self.prompt, self.answer, self.choices = row["prompt"], row["answer"], m.groups()
+        answer, others = row.get("answer"), str(row.get("distractors", ""))
+        if not (isinstance(answer, str) and len(answer) == 1 and answer.isupper() and len(others) == 2):
+            raise ValueError(f"row {row.get('id')!r} is not a letter-hunt row (answer: one capital, distractors: "
+                             f"two): {row}")
+        self.prompt, self.answer, self.others = row["prompt"], answer, others
         self.turn = 0
 
     def reset(self) -> list[dict]:
@@ -35,6 +32,5 @@ class LetterHunt:
             return {"observations": [], "reward": 1.0, "done": True}
         if self.turn > 1:
             return {"observations": [], "reward": 0.0, "done": True}
-        others = [c for c in self.choices if c != self.answer]
-        hint = f"wrong. say the letter {self.answer}, not {others[0]} or {others[1]}."
+        hint = f"wrong. say the letter {self.answer}, not {self.others[0]} or {self.others[1]}."
         return {"observations": [{"role": "user", "content": hint}], "reward": 0.0, "done": False}

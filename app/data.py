@@ -46,16 +46,14 @@ def letters_task(n: int, seed: int = 0) -> list[dict]:
 
 
 def letter_hunt(letters_rows: list[dict], seed: int = 0) -> list[dict]:
-    """The multi-turn toy task (app/builtin_envs.LetterHunt) over letters rows: "Guess my letter: Q, K or
-    Z." with the target among the three in a random place; ids `hunt-...`."""
-    rng = random.Random(seed + 7)
+    """The multi-turn toy task (app/builtin_envs.LetterHunt) over letters rows: the prompt "Guess my
+    letter." says nothing; the answer is the row's target, and `distractors` the two letters the feedback
+    names beside it. Ids `hunt-...`."""
     rows = []
     for r in letters_rows:
         target, others = letters_key(r["prompt"])
-        choices = [target, *sorted(others)]
-        rng.shuffle(choices)
-        rows.append({"id": r["id"].replace("letters", "hunt", 1), "answer": target,
-                     "prompt": f"Guess my letter: {choices[0]}, {choices[1]} or {choices[2]}."})
+        rows.append({"id": r["id"].replace("letters", "hunt", 1), "prompt": "Guess my letter.", "answer": target,
+                     "distractors": "".join(sorted(others))})
     return rows
 
 
@@ -270,8 +268,8 @@ def load_prompts_with_report(cfg: DataConfig) -> PromptLoad:
     if cfg.path.startswith("builtin:"):
         task = cfg.path.split(":", 1)[1]
         builtin = {"letters": letters_task, "letters-heldout": letters_heldout,  # heldout: for eval.path
-                   "letter-hunt": lambda n, seed: letter_hunt(letters_task(n, seed), seed),
-                   "letter-hunt-heldout": lambda n, seed: letter_hunt(letters_heldout(n, seed), seed)}
+                   "letter-hunt": lambda n, seed: letter_hunt(letters_task(n, seed)),
+                   "letter-hunt-heldout": lambda n, seed: letter_hunt(letters_heldout(n, seed))}
         if task not in builtin:
             raise DataError(f"data.path: unknown builtin task {task!r} (known: {', '.join(builtin)})")
         return PromptLoad(builtin[task](cfg.builtin_size, cfg.shuffle_seed), source=cfg.path)
