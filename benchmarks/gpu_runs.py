@@ -6,6 +6,7 @@ Ray cluster limited to the run's GPU count:
     python benchmarks/gpu_runs.py qwen-1x    # the Qwen2.5-1.5B shape (real vocabulary), 16 x 8, 1,024 new
     python benchmarks/gpu_runs.py qwen-2x    #   tokens, rank 1, 20 steps, default micro-batching
     python benchmarks/gpu_runs.py small-1x --merge   # the same with sync.mode=merge
+    python benchmarks/gpu_runs.py small-multiturn-1x # the small model plays LetterHunt (two turns) on one GPU
 
 Each run adds a record to OUT/gpu_runs.json (reward z-test, step-1 trainer/vLLM log ratio, step times,
 micro-batches, peak memory, publish latency) with the command that made it. CPU smoke: `--smoke`
@@ -28,8 +29,12 @@ QWEN = ["model.path=runs/qwen2.5-1.5b-model", "model.tiny_shape=qwen2.5-1.5b", "
         # 128 x 1,024 tokens per step: CUDA graphs cut decode time several-fold (one 60-100 s compile),
         # and 48 groups in flight keep the engine's batch full ((max_staleness + 1) x 16 prompts).
         "rollout.enforce_eager=false", "rollout.groups_per_worker=12"]
+# recipes/tiny-multiturn.yaml's task on the GPU recipe: episodes of up to two turns, rewards from the environment.
+MULTITURN = ["data.path=builtin:letter-hunt", "env.cls=app.builtin_envs:LetterHunt", "env.max_turns=2",
+             "reward.fn=null", "eval.path=builtin:letter-hunt-heldout", "eval.every=10", "eval.samples=128"]
 RUNS = {
     "small-1x": ("recipes/gpu-1x.yaml", [], 1),
+    "small-multiturn-1x": ("recipes/gpu-1x.yaml", MULTITURN, 1),
     "small-2x": ("recipes/gpu-2x.yaml", [], 2),
     "qwen-1x": ("recipes/gpu-1x.yaml", QWEN, 1),
     "qwen-2x": ("recipes/gpu-2x.yaml", QWEN, 2),
@@ -76,7 +81,23 @@ def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command
         "final_version": rows[-1].get("version") if rows else None,
         "trainer_idle_fraction": summary.get("trainer_idle_fraction"),
         "generation_idle_fraction": summary.get("generation_idle_fraction"),
+        **_multiturn(rows, summary),
     }
+
+
+def _multiturn(rows: list[dict], summary: dict) -> dict:
+    """Episode metrics of a multi-turn run (none for single-turn rows)."""
+    if not rows or "episode_turns_mean" not in rows[0]:
+        return {}
+    evals = [(h["eval/step"], h["eval/accuracy"]) for h in summary.get("eval_history", [])]
+    hits = sorted(k for r in rows for k in r if k.startswith("prefix_hit_turn"))
+    return {"episode_turns_mean_p50": _p50([r["episode_turns_mean"] for r in rows]),
+            "episode_truncated": sum(r.get("episode_truncated", 0) for r in rows),
+            "env_tokens_fraction_p50": _p50([r.get("env_tokens_fraction") for r in rows]),
+            "env_errors": rows[-1].get("env_errors", 0),
+            **{f"{k}_p50": _p50([r.get(k) for r in rows]) for k in dict.fromkeys(hits)},
+            "eval_accuracy_first": evals[0][1] if evals else None,
+            "eval_accuracy_last": evals[-1][1] if evals else None, "eval_curve": evals}
 
 
 def main(argv=None) -> int:
