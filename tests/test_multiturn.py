@@ -40,8 +40,8 @@ class SometimesBroken(LetterHunt):
         self.row_id = str(row["id"])
 
 
-@pytest.fixture(scope="module")
-def service(serve_env):
+@pytest.fixture
+def service(serve_env):  # gone before the run test: a run's app takes Serve's route prefix "/"
     from ray import serve
 
     from serve_deployments.app_builder import start_service, wait_healthy
@@ -125,7 +125,7 @@ def test_three_turn_episodes_are_token_exact_on_real_engines(service):
     model = _peft_model(cfg.model.path, tensors, meta)
     with torch.no_grad():
         logp, _ = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["pred_pos"],
-                                    batch["targets"], batch["mask"])
+                                    batch["targets"], batch["mask"], chunk=64)
     gap = ((logp - batch["behaviour_logp"]).abs() * batch["mask"]).amax(dim=1)
     multi_gap, single_gap = float(gap[:len(episodes)].max()), float(gap[len(episodes):].max())
     print(json.dumps({"multi_turn_max_abs_log_ratio": multi_gap, "single_turn_max_abs_log_ratio": single_gap}))
