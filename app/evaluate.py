@@ -20,6 +20,7 @@ from common.config import Config, from_dict
 
 CORRECT = 1.0  # a reward at least this counts as a correct answer
 EVAL_CONCURRENCY = 8  # eval prompts in flight at once: interleaved with the rollouts, never flooding them
+EPISODE_ATTEMPTS = 3  # an eval episode whose version left the live window starts over under the newest
 
 
 def eval_rows(cfg: Config, path: str | None = None, samples: int | None = None) -> list[dict]:
@@ -109,25 +110,33 @@ class Evaluator:
         return score(greedy[0]), [score(c) for c in sampled] if sampled else None, int(greedy[0]["version"])
 
     async def _episode(self, row: dict, version: int | None, temperature: float) -> tuple[float, int]:
-        """One episode's reward and version; an environment failure scores 0 (counted)."""
+        """One episode's reward and version; an environment failure scores 0 (counted). An episode outlives
+        many training steps: when its version leaves the live window mid-episode (gone), it is played
+        again under the newest one."""
         from app.envs import EnvError
+        from common.faults import is_gone
 
-        if version is None:
-            version = await self._ingress().pin_version.remote()
         sampling = {"temperature": temperature, "top_p": self.cfg.grpo.top_p if temperature else 1.0,
                     "logprobs": False}
+        for attempt in range(EPISODE_ATTEMPTS):
+            if version is None or attempt:
+                version = await self._ingress().pin_version.remote()
 
-        async def generate(ids, max_tokens, replica):
-            out = await self._ingress().generate_group.remote(ids, 1, version, dict(sampling, max_tokens=max_tokens),
-                                                              replica=replica)
-            return dict(out[0], logprobs=[0.0] * len(out[0]["token_ids"]))
+            async def generate(ids, max_tokens, replica, pinned=version):
+                out = await self._ingress().generate_group.remote(
+                    ids, 1, pinned, dict(sampling, max_tokens=max_tokens), drop_if_expired=True, replica=replica)
+                return dict(out[0], logprobs=[0.0] * len(out[0]["token_ids"]))
 
-        try:
-            ep = await self.episodes.play(row, generate)
-        except EnvError:
-            self.env_errors += 1
-            return 0.0, int(version)
-        return self.episodes.reward(ep, row), int(ep.version)
+            try:
+                ep = await self.episodes.play(row, generate)
+                return self.episodes.reward(ep, row), int(ep.version)
+            except EnvError:
+                self.env_errors += 1
+                return 0.0, int(version)
+            except Exception as e:
+                if not is_gone(e) or attempt == EPISODE_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     async def run(self, version: int | None = None, step: int = 0) -> dict:
         """Score the eval prompts under one version (see pick_version); returns eval/* metrics plus

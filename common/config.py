@@ -294,8 +294,8 @@ class RolloutConfig:
               "a REST request over it is answered 429 with Retry-After. null = 4 x max_num_seqs.")
     tool_parser: str | None = _field(
         "hermes", "vLLM tool parser for REST chat completions with `tools` and tool_choice auto (a name vLLM's "
-                  "ToolParserManager knows: hermes for the Qwen/Hermes <tool_call> format); null = auto tool "
-                  "choice off (named and `required` tool choice still work).")
+                  "ToolParserManager knows: hermes for the Qwen/Hermes <tool_call> format); it also reads back "
+                  "named and `required` tool choices. null = tool calling off (only tool_choice none).")
 
     def problems(self) -> list[str]:
         return _broken(

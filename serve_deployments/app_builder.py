@@ -35,7 +35,7 @@ def router_config(cfg: Config) -> RequestRouterConfig | None:
 
 
 def build_app(cfg: Config, registry_name: str, registry_namespace: str) -> serve.Application:
-    from serve_deployments.engine_config import engine_kwargs, replica_options
+    from serve_deployments.engine_config import engine_kwargs, replica_options, tool_parser_option
     from serve_deployments.replica import RolloutReplica
 
     opts = replica_options(cfg)
@@ -43,7 +43,7 @@ def build_app(cfg: Config, registry_name: str, registry_namespace: str) -> serve
     if rrc is not None:
         opts["request_router_config"] = rrc
     replica = RolloutReplica.options(**opts).bind(engine_kwargs(cfg), registry_name, registry_namespace,
-                                                  cfg.max_loras, tool_parser=cfg.rollout.tool_parser)
+                                                  cfg.max_loras, tool_parser=tool_parser_option(cfg))
     token = cfg.rollout.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
     ingress = Ingress.options(ray_actor_options={
         "num_cpus": 0.1, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}})

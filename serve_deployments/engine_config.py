@@ -77,6 +77,25 @@ def engine_kwargs(cfg: Config) -> dict:
     }
 
 
+def tool_parser_option(cfg: Config) -> str | None:
+    """rollout.tool_parser for the replica, checked against the installed vLLM's parser registry first:
+    a misspelt name raises ConfigError here, where the replica's own check would only reach Serve's
+    "Failed to update the deployments" (the reason stays in the replica's log). Importing the registry
+    costs a few seconds where vLLM is not loaded yet; without vLLM in this process the replica checks."""
+    from common.config import ConfigError
+
+    name = cfg.rollout.tool_parser
+    try:
+        from serve_deployments.vllm_compat import check_tool_parser
+
+        check_tool_parser(name)
+    except ImportError:
+        pass
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+    return name
+
+
 def replica_options(cfg: Config) -> dict:
     """`RolloutReplica.options(**replica_options(cfg))`."""
     r = cfg.rollout

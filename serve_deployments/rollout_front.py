@@ -8,7 +8,8 @@
   the handle, which routes it to a live replica, under `REPLICA_CALL` (bounded attempts, backoff, a
   deadline; a replica lacking the pinned version loads it from the registry first). An error a replica
   raised on purpose (a `status_code`: bad request, version expired) is raised at once.
-- `drop_if_expired`: the group fails with VersionExpiredError as soon as its version expires.
+- `drop_if_expired`: the group fails with VersionExpiredError as soon as its version expires, and at once
+  when it names a version already trimmed from the live window (a later turn of a long episode).
 - The samples count against the in-flight limit but are never refused by it (admission.py).
 See docs/ARCHITECTURE.md, "Path of a sample" and "Faults".
 """
@@ -20,6 +21,7 @@ import logging
 from common.faults import REPLICA_CALL, RetryPolicy, short_error
 from serve_deployments.admission import Admission
 from serve_deployments.openai_api import ModelNameError, resolve_version, served_name
+from serve_deployments.replica import VersionExpiredError
 from serve_deployments.replica_pool import ReplicaPool
 from serve_deployments.served_versions import ServedVersions
 
@@ -53,8 +55,13 @@ class RolloutFront:
         limit = (await self._pool.engine_info())["max_model_len"]
         if not ids or len(ids) >= limit:
             raise ValueError(f"generate_group: prompt has {len(ids)} tokens; it must be 1..{limit - 1}")
+        live = await self._versions.live()
+        if drop_if_expired and version is not None and live and 0 < version < min(live):
+            # Trimmed from the live window while its rollout ran (a multi-turn episode's later turn): too
+            # stale to train on, so gone (410), and the worker starts the group over under the newest.
+            raise VersionExpiredError(version)
         try:
-            pinned = resolve_version(version, await self._versions.live(), self._versions.merged_version)
+            pinned = resolve_version(version, live, self._versions.merged_version)
         except ModelNameError as e:
             raise ValueError(e.message) from None
         key = await self._pool.route_key(ids, pinned, self._versions.merged_version)

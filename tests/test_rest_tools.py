@@ -134,12 +134,20 @@ def test_tool_conversation_renders_like_vllm():
 # ---------------------------------------------------------------- rollout.tool_parser at start-up
 
 def test_tool_parser_is_checked_at_start(tokenizer):
+    from common.config import ConfigError
+    from serve_deployments.app_builder import build_app
     from serve_deployments.vllm_compat import chat_tool_parser, check_tool_parser, tool_parser_names
 
     assert "hermes" in tool_parser_names()
     check_tool_parser(None)
     with pytest.raises(ValueError, match=r"rollout.tool_parser: 'hermse' is not a tool parser .*hermes"):
         check_tool_parser("hermse")
+    # Before Serve starts anything: a replica's own check would surface only as "Failed to update the
+    # deployments" (the reason in its log).
+    cfg = small_config("/nonexistent/model")  # binding the app reads no model file
+    cfg.rollout.tool_parser = "hermse"
+    with pytest.raises(ConfigError, match=r"rollout.tool_parser: 'hermse'"):
+        build_app(cfg, "registry", "namespace")
     # mistral's parser needs its [TOOL_CALLS] token, which the character-level tokenizer lacks.
     with pytest.raises(ValueError, match=r"rollout.tool_parser: 'mistral' cannot serve this model's tokenizer"):
         chat_tool_parser("mistral", tokenizer)

@@ -100,3 +100,18 @@ def test_samples_count_in_flight_while_they_run():
     pool.call = call
     assert len(asyncio.run(front.generate_group([1], 5, 4))) == 5
     assert seen == [5] * 5 and admission.inflight == 0
+
+
+def test_version_trimmed_mid_episode_is_gone_for_rollouts():
+    """A later turn of a long episode names a version the registry has trimmed since: for a rollout
+    (drop_if_expired) that is 410 gone, so the worker starts the group over; for anyone else, not live."""
+    from common.faults import is_gone
+
+    front, pool, _ = rollouts([sample(4)], live=(3, 4))
+    with pytest.raises(VersionExpiredError) as gone:
+        asyncio.run(front.generate_group([1], 1, 2, drop_if_expired=True))
+    assert is_gone(gone.value)
+    with pytest.raises(ValueError, match="not live"):
+        asyncio.run(front.generate_group([1], 1, 2))
+    assert not pool.calls
+    assert asyncio.run(front.pin_version()) == 4
