@@ -532,6 +532,11 @@ def _cross_section_problems(cfg: Config) -> list[str]:
         (cfg.reward.fn is not None or cfg.env.cls is not None,
          "reward.fn: null needs env.cls (a multi-turn environment's step rewards); single-turn runs need a reward "
          "function"),
+        (cfg.env.cls is None or cfg.reward.where == "worker",
+         "reward.where: task runs single-turn rewards only; a multi-turn run (env.cls) scores episodes in the worker"),
+        (cfg.env.cls is None or grpo.dapo_overlong_buffer == 0,
+         "grpo.dapo_overlong_buffer: the overlong penalty is for single-turn completions; a multi-turn run bounds "
+         "episodes with env.max_episode_tokens"),
         (cfg.env.max_episode_tokens is None or cfg.env.max_episode_tokens <= model.max_model_len,
          f"env.max_episode_tokens: {cfg.env.max_episode_tokens} exceeds model.max_model_len {model.max_model_len}"),
         (cfg.eval.path not in ("builtin:letters-heldout", "builtin:letter-hunt-heldout")

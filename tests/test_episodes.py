@@ -242,6 +242,10 @@ def test_config_rules_for_episodes():
         C.load("recipes/tiny-multiturn.yaml", ["env.max_episode_tokens=9999"])
     with pytest.raises(C.ConfigError, match="is not `module:Class`"):
         C.load("recipes/tiny-multiturn.yaml", ["env.cls=LetterHunt"])
+    with pytest.raises(C.ConfigError, match="reward.where: task runs single-turn rewards only"):
+        C.load("recipes/tiny-multiturn.yaml", ["reward.where=task"])
+    with pytest.raises(C.ConfigError, match="overlong penalty is for single-turn"):
+        C.load("recipes/tiny-multiturn.yaml", ["grpo.dapo_overlong_buffer=2"])
 
 
 def test_readme_environment_example_runs(tmp_path, monkeypatch, tok):
