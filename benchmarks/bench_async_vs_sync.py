@@ -3,7 +3,7 @@ with rollouts running ahead of the trainer (async, max_staleness versions) and o
 generate -> train (sync). Real Ray, Serve, vLLM and DeepSpeed, local cluster.
 
     python -m app bench async_vs_sync                 # 24 steps each, max_staleness 4
-    python -m app bench async_vs_sync --quick         # 3 steps each (smoke)
+    python -m app bench async_vs_sync --quick         # 3 steps each, one replica, one train worker (smoke)
 
 Prints a table and writes benchmarks/results/async_vs_sync.json and .png (steps/hour and reward).
 """
@@ -21,12 +21,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+# --quick: the same two runs at the smallest size that still runs both sides (start-up dominates them).
+QUICK = ["rollout.replicas=1", "train.num_workers=1", "rollout.workers=1", "eval.path=null", "grpo.prompts_per_step=8"]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=16, help="longer completions balance generation vs training")
-    p.add_argument("--quick", action="store_true", help="3 steps each: a smoke check, not a measurement")
+    p.add_argument("--quick", action="store_true", help="3 steps each on one replica and one train worker, no "
+                                                         "evaluation: a smoke check, not a measurement")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config overrides")
     args = p.parse_args(argv)
@@ -50,7 +55,7 @@ def main(argv=None) -> int:
                 f"model.path={model}", "model.build_tiny=false", f"run.out_dir={work}", f"run.name={mode}",
                 f"run.mode={mode}", f"train.total_steps={steps}", "checkpoint.every=0",
                 f"sync.max_staleness={args.max_staleness}", f"grpo.max_new_tokens={args.max_new_tokens}",
-                *args.set])
+                *(QUICK if args.quick else []), *args.set])
             t0 = time.time()
             s = driver.run(cfg, progress=True)
             rows = [json.loads(line) for line in (work / mode / "metrics.jsonl").read_text().splitlines()]

@@ -22,6 +22,7 @@ def test_short_run_prints_at_most_60_lines(tmp_path, tiny_model_dir):
         [sys.executable, "-m", "app", "train", "--config", "recipes/tiny-cpu.yaml",
          "--set", f"model.path={tiny_model_dir}", "--set", "model.build_tiny=false",
          "--set", "train.total_steps=4", "--set", "run.log_every=2", "--set", "eval.every=2",
+         "--set", "rollout.replicas=1", "--set", "train.num_workers=1",  # the console, not the cluster, is tested
          "--set", "eval.samples=16", "--set", "checkpoint.every=0", "--set", f"run.out_dir={tmp_path}",
          "--set", f"rollout.http_port={free_port()}"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
