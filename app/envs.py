@@ -11,7 +11,6 @@ Per episode the rollout worker builds `Class(row)` with the data row, then
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 from dataclasses import dataclass
@@ -32,13 +31,11 @@ class StepResult:
 
 def load_env(dotted: str) -> type:
     """Import `module:Class` and check it has callable `reset` and `step`; errors name env.cls."""
-    mod_name, _, cls_name = dotted.partition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(f"env.cls: cannot import module {mod_name!r} ({e})") from e
-    cls = getattr(mod, cls_name, None)
+    from common.dotted import load_dotted
+
+    cls = load_dotted(dotted, "env.cls", "class")
     if not inspect.isclass(cls):
+        mod_name, _, cls_name = dotted.partition(":")
         raise ValueError(f"env.cls: {mod_name} has no class {cls_name!r}")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if missing:

@@ -13,7 +13,6 @@ grpo.dapo_overlong_buffer > 0.
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 import re
 import zlib
@@ -38,27 +37,37 @@ def hash_reward(completion: str, answer: str = "", prompt: str = "") -> float:
 _BOXED = re.compile(r"\\boxed\s*\{")
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...}, braces balanced; None if there is none."""
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    if not starts:
-        return None
-    i = depth = starts[-1]
+def _closed_at(text: str, start: int) -> str | None:
+    """text[start:] up to the brace that closes the one before `start`; None if none does."""
     depth = 1
-    while i < len(text):
+    for i in range(start, len(text)):
         if text[i] == "{":
             depth += 1
         elif text[i] == "}":
             depth -= 1
             if depth == 0:
-                return text[starts[-1]:i]
-        i += 1
-    return None  # unbalanced: truncated completion
+                return text[start:i]
+    return None
 
 
-def boxed_math_reward(completion: str, answer: str, prompt: str = "") -> float:
-    """1 when the last \\boxed{} answer is mathematically equal to the reference (math-verify)."""
-    got = last_boxed(completion)
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...}, braces balanced; None if there is none."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    if not starts:
+        return None
+    return _closed_at(text, starts[-1])  # None: unbalanced, a truncated completion
+
+
+def first_boxed(text: str) -> str | None:
+    """Content of the first \\boxed{...} whose braces close; None if there is none."""
+    for m in _BOXED.finditer(text):
+        got = _closed_at(text, m.end())
+        if got is not None:
+            return got
+    return None
+
+
+def _math_equal(got: str | None, answer: str) -> float:
     if got is None:
         return 0.0
     from math_verify import parse, verify
@@ -71,6 +80,17 @@ def boxed_math_reward(completion: str, answer: str, prompt: str = "") -> float:
         return 1.0 if verify(gold, pred) else 0.0
     except Exception:  # math-verify raises on exotic input; a wrong format earns nothing
         return 0.0
+
+
+def boxed_math_reward(completion: str, answer: str, prompt: str = "") -> float:
+    """1 when the last \\boxed{} answer is mathematically equal to the reference (math-verify)."""
+    return _math_equal(last_boxed(completion), answer)
+
+
+def first_boxed_math_reward(completion: str, answer: str, prompt: str = "") -> float:
+    """boxed_math_reward on the FIRST \\boxed{} answer: a pretrained (not instruction-tuned) model rarely
+    ends its turn after answering and writes on, other boxed numbers included (Gemma 3 270M does)."""
+    return _math_equal(first_boxed(completion), answer)
 
 
 def overlong_penalty(length: int, max_len: int, buffer: int, penalty: float = 1.0) -> float:
@@ -123,12 +143,10 @@ def load_scorer(dotted: str) -> Scorer:
 
 def load_reward(dotted: str) -> RewardFn:
     """Import `module:function`; errors name the config key and what is wrong."""
-    mod_name, _, fn_name = dotted.partition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(f"reward.fn: cannot import module {mod_name!r} ({e})") from e
-    fn = getattr(mod, fn_name, None)
+    from common.dotted import load_dotted
+
+    fn = load_dotted(dotted, "reward.fn", "function")
     if not callable(fn):
+        mod_name, _, fn_name = dotted.partition(":")
         raise ValueError(f"reward.fn: {mod_name} has no function {fn_name!r}")
     return fn
