@@ -1,6 +1,6 @@
 """`python -m app COMMAND`: the command line, every command's arguments parsed here; each command then
 calls the module that does its job (app.driver for train, app.service for serve, app.evaluate for eval,
-app.report, app.preflight, app.tiny_model, train_loops.merge, benchmarks/)."""
+app.report, app.preflight, app.tiny_model, app.import_gguf, train_loops.merge, benchmarks/)."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +20,7 @@ COMMANDS = {
     "bench": "run a benchmark from benchmarks/ (python -m app bench NAME [args])",
     "eval": "score a model or a saved adapter on held-out prompts through the served policy (accuracy, pass@k)",
     "report": "regenerate a run's plots and print its summary (finished, failed or still running)",
+    "import-gguf": "convert a GGUF checkpoint once to an HF directory (safetensors, tokenizer, chat template)",
 }
 
 
@@ -262,6 +263,12 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
+def cmd_import_gguf(argv: list[str]) -> int:
+    from app.import_gguf import main
+
+    return main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -271,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     fn = {"train": cmd_train, "serve": cmd_serve, "merge": cmd_merge, "tiny-model": cmd_tiny_model,
           "validate": cmd_validate, "bench": cmd_bench, "report": cmd_report,
-          "eval": cmd_eval}.get(cmd)
+          "eval": cmd_eval, "import-gguf": cmd_import_gguf}.get(cmd)
     if fn is None:
         print(f"unknown command {cmd!r}\n\n{_top_help()}", file=sys.stderr)
         return 2

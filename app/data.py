@@ -20,6 +20,7 @@ import logging
 import random
 import re
 import string
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +90,115 @@ def letters_heldout(n: int, seed: int = 0, exclude: int = HELDOUT_EXCLUDE) -> li
         taken.add(key)
         rows.append({"id": f"letters-heldout-{len(rows)}", "prompt": prompt, "answer": target})
     return rows
+
+
+# The arithmetic task (`builtin:arith[-1|-2][-heldout]`) for real pretrained models: one- or two-step word
+# problems, every number in them (operands, intermediate results, answer) a whole number below 100. The
+# prompt asks for the answer in \boxed{}, which app.rewards' boxed math rewards score.
+ARITH_INSTRUCTION = "Put the final answer in \\boxed{}."
+_NAMES = ("Tom", "Sara", "Ben", "Mia", "Leo", "Anna", "Sam", "Lily", "Max", "Emma", "Noah", "Zoe", "Jack", "Ella",
+          "Omar", "Nina")
+_ITEMS = ("apples", "marbles", "stickers", "pencils", "books", "cookies", "cards", "shells", "coins", "stamps")
+_BOXES = ("boxes", "bags", "packs", "jars")
+# kind -> (template, answer from (a, b, c)); {n} name, {i} item, {x} container.
+_ARITH = {
+    1: {"add": ("{n} has {a} {i}. {n} gets {b} more. How many {i} does {n} have now?", lambda a, b, c: a + b),
+        "sub": ("{n} has {a} {i} and gives {b} of them away. How many {i} does {n} have left?", lambda a, b, c: a - b),
+        "mul": ("{n} has {a} {x} with {b} {i} in each. How many {i} does {n} have in all?", lambda a, b, c: a * b),
+        "div": ("{n} shares {a} {i} equally among {b} friends. How many {i} does each friend get?",
+                lambda a, b, c: a // b)},
+    2: {"add-sub": ("{n} has {a} {i}, gets {b} more, then gives {c} away. How many {i} does {n} have now?",
+                    lambda a, b, c: a + b - c),
+        "sub-add": ("{n} has {a} {i}, gives {b} away, then gets {c} more. How many {i} does {n} have now?",
+                    lambda a, b, c: a - b + c),
+        "mul-sub": ("{n} has {a} {x} with {b} {i} in each and gives {c} {i} away. How many {i} does {n} have left?",
+                    lambda a, b, c: a * b - c),
+        "mul-add": ("{n} has {a} {x} with {b} {i} in each and finds {c} more {i}. How many {i} does {n} have now?",
+                    lambda a, b, c: a * b + c),
+        "add-div": ("{n} has {a} {i}, gets {b} more, then shares them all equally among {c} friends. How many {i} "
+                    "does each friend get?", lambda a, b, c: (a + b) // c)},
+}
+
+
+def _arith_numbers(kind: str, rng: random.Random) -> tuple[int, int, int]:
+    """Operands for `kind` with the first step's result and the answer whole and in 1..99 (rejection)."""
+    first_op = kind.split("-")[0]
+    while True:
+        c = rng.randint(1, 98)
+        if first_op == "mul":
+            a = rng.randint(2, 9)
+            b = rng.randint(2, 99 // a)
+        elif first_op == "div" or kind == "add-div":  # a total that splits evenly among 2..9
+            k = rng.randint(2, 9)
+            total = k * rng.randint(1, 99 // k)
+            if kind == "div":
+                a, b = total, k
+            elif total < 2:
+                continue
+            else:
+                a = rng.randint(1, total - 1)
+                b, c = total - a, k
+        else:
+            a, b = rng.randint(2, 99), rng.randint(1, 98)
+        first = {"add": a + b, "sub": a - b, "mul": a * b, "div": a // max(b, 1)}[first_op]
+        ans = _ARITH[2 if "-" in kind else 1][kind][1](a, b, c)
+        if 1 <= first <= 99 and 1 <= ans <= 99:
+            return a, b, c if "-" in kind else 0  # a one-step problem has no third number
+
+
+def _arith_problem(steps: int, rng: random.Random) -> tuple[tuple, str, str]:
+    """(key, prompt, answer): the key names the arithmetic asked (kind and numbers), not its wording."""
+    kind = rng.choice(sorted(_ARITH[steps]))
+    a, b, c = _arith_numbers(kind, rng)
+    template, fn = _ARITH[steps][kind]
+    text = template.format(n=rng.choice(_NAMES), i=rng.choice(_ITEMS), x=rng.choice(_BOXES), a=a, b=b, c=c)
+    return (kind, a, b, c), f"{text} {ARITH_INSTRUCTION}", str(fn(a, b, c))
+
+
+def _arith_steps(steps: int | None, rng: random.Random) -> int:
+    return steps if steps else rng.choice((1, 2))
+
+
+# One problem in 8, chosen by a hash of what it asks (kind and numbers, not the wording), is held out: the
+# training variants never ask it, whatever their seed and size, and the held-out split has every kind.
+_ARITH_HELDOUT_EVERY = 8
+
+
+def _arith_heldout_key(key: tuple) -> bool:
+    return zlib.crc32(repr(key).encode()) % _ARITH_HELDOUT_EVERY == 0
+
+
+def _arith_rows(n: int, rng: random.Random, steps: int | None, heldout: bool, prefix: str) -> list[dict]:
+    rows: list[dict] = []
+    seen: set[tuple] = set()
+    for _ in range(1000 * n + 1000):  # rejection sampling, bounded
+        if len(rows) == n:
+            return rows
+        k = _arith_steps(steps, rng)
+        key, prompt, answer = _arith_problem(k, rng)
+        if _arith_heldout_key(key) != heldout or (heldout and key in seen):
+            continue  # held-out problems are distinct; training ones may repeat, like any sample
+        seen.add(key)
+        rows.append({"id": f"{prefix}-{len(rows)}", "prompt": prompt, "answer": answer, "steps": k})
+    raise DataError(f"{prefix}: only {len(rows)} distinct held-out problems of {n} asked for")
+
+
+def arith_task(n: int, seed: int = 0, steps: int | None = None) -> list[dict]:
+    """n training word problems of `steps` steps (1 or 2; None: one or two at random); rows carry `steps`."""
+    return _arith_rows(n, random.Random(seed), steps, False, "arith")
+
+
+def arith_heldout(n: int, seed: int = 0, steps: int | None = None) -> list[dict]:
+    """n distinct held-out problems: none is ever a training problem of any `builtin:arith*` variant."""
+    return _arith_rows(n, random.Random(_HELDOUT_SEED_BASE + seed), steps, True, "arith-heldout")
+
+
+def _arith_builtins() -> dict:
+    out = {}
+    for suffix, steps in (("", None), ("-1", 1), ("-2", 2)):
+        out[f"arith{suffix}"] = lambda n, seed, s=steps: arith_task(n, seed, s)
+        out[f"arith{suffix}-heldout"] = lambda n, seed, s=steps: arith_heldout(n, seed, s)
+    return out
 
 
 def _read_arrow(path: Path):
@@ -269,7 +379,8 @@ def load_prompts_with_report(cfg: DataConfig) -> PromptLoad:
         task = cfg.path.split(":", 1)[1]
         builtin = {"letters": letters_task, "letters-heldout": letters_heldout,  # heldout: for eval.path
                    "letter-hunt": lambda n, seed: letter_hunt(letters_task(n, seed)),
-                   "letter-hunt-heldout": lambda n, seed: letter_hunt(letters_heldout(n, seed))}
+                   "letter-hunt-heldout": lambda n, seed: letter_hunt(letters_heldout(n, seed)),
+                   **_arith_builtins()}  # arith, arith-1, arith-2 and their -heldout splits
         if task not in builtin:
             raise DataError(f"data.path: unknown builtin task {task!r} (known: {', '.join(builtin)})")
         return PromptLoad(builtin[task](cfg.builtin_size, cfg.shuffle_seed), source=cfg.path)
@@ -313,9 +424,12 @@ def load_prompts(cfg: DataConfig) -> list[dict]:
 def render_prompt(row: dict, tokenizer, cfg: DataConfig) -> list[int]:
     """Prompt token ids, through the chat template (with the system prompt) when configured."""
     if cfg.use_chat_template and getattr(tokenizer, "chat_template", None):
-        msgs = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []) + \
-               [{"role": "user", "content": row["prompt"]}]
+        msgs = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+        for ex in cfg.few_shot:
+            msgs += [{"role": "user", "content": ex["prompt"]}, {"role": "assistant", "content": ex["answer"]}]
+        msgs.append({"role": "user", "content": row["prompt"]})
         text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     else:
-        text = (cfg.system_prompt + "\n" if cfg.system_prompt else "") + row["prompt"]
+        shots = "".join(f"{ex['prompt']}\n{ex['answer']}\n\n" for ex in cfg.few_shot)
+        text = (cfg.system_prompt + "\n" if cfg.system_prompt else "") + shots + row["prompt"]
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -17,9 +17,14 @@ import time
 import ray
 
 from common.config import Config, from_dict
+from common.registry import pick_version
 
 CORRECT = 1.0  # a reward at least this counts as a correct answer
 EVAL_CONCURRENCY = 8  # eval prompts in flight at once: interleaved with the rollouts, never flooding them
+# The version under evaluation is held live in the registry (a lease) until the eval ends, at most this long:
+# an eval of 128 prompts took 67 s on one H200 while versions turned over every 4 s.
+EVAL_HOLD_S = 900.0
+HOLDER = "evaluator"
 EPISODE_ATTEMPTS = 3  # an eval episode whose version left the live window starts over under the newest
 
 
@@ -46,18 +51,6 @@ def score_eval(greedy: list[float], sampled: list[list[float]] | None = None, k:
     return out
 
 
-def pick_version(live: list[int], want: int | None) -> int | None:
-    """The version to evaluate: `want` if live; else the newest live one not newer than it (a step off
-    the sync.every grid published nothing); else the newest live one; None = whatever the ingress serves
-    (the base model when nothing is live)."""
-    if want is None or not live:
-        return live[-1] if live else None
-    if want in live:
-        return want
-    older = [v for v in live if v <= want]
-    return older[-1] if older else live[-1]
-
-
 @ray.remote(num_cpus=0)
 class Evaluator:
     """Holds the eval prompts, tokenizer and reward; `run(version, step)` scores one version."""
@@ -82,6 +75,15 @@ class Evaluator:
             self.prompts = [render_prompt(r, self.tokenizer, self.cfg.data) for r in rows]
         self.env_errors = 0
         self._handle = None
+
+    def _registry(self):
+        """The run's AdapterRegistry, or None (a service started without one)."""
+        from common.names import NAMESPACE, REGISTRY_NAME
+
+        try:
+            return ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE)
+        except ValueError:
+            return None
 
     def _ingress(self):
         if self._handle is None:
@@ -142,11 +144,21 @@ class Evaluator:
         """Score the eval prompts under one version (see pick_version); returns eval/* metrics plus
         eval/version (what was served) and eval/step (the step it belongs to)."""
         t0 = time.perf_counter()
-        live = list(await self._ingress().live_versions.remote())
-        pinned = pick_version(live, version)
+        registry = self._registry()
+        if registry is not None:  # held: versions may turn over many times while the eval runs
+            pinned = await registry.hold.remote(version, HOLDER, EVAL_HOLD_S)
+        else:
+            pinned = pick_version(list(await self._ingress().live_versions.remote()), version)
+        if pinned is None:  # nothing live (the base model, before step 1): pinned too, or each request would
+            pinned = await self._ingress().pin_version.remote()  # take whatever version is newest when it runs
         k = self.cfg.eval.pass_k
         sem = asyncio.Semaphore(EVAL_CONCURRENCY)
-        res = await asyncio.gather(*(self._one(sem, ids, row, pinned, k) for ids, row in zip(self.prompts, self.rows)))
+        try:
+            res = await asyncio.gather(*(self._one(sem, ids, row, pinned, k)
+                                         for ids, row in zip(self.prompts, self.rows)))
+        finally:
+            if registry is not None:
+                await registry.release.remote(pinned, HOLDER)
         out = score_eval([r[0] for r in res], [r[1] for r in res] if k > 1 else None, k)
         served = {r[2] for r in res}
         out.update({"eval/version": max(served), "eval/step": int(step), "eval/seconds": time.perf_counter() - t0})

@@ -70,14 +70,19 @@ def first_boxed(text: str) -> str | None:
 def _math_equal(got: str | None, answer: str) -> float:
     if got is None:
         return 0.0
+    import threading
+
     from math_verify import parse, verify
 
-    gold = parse(f"${answer}$") or parse(answer)
-    pred = parse(f"${got}$") or parse(got)
+    # math-verify times out with signal.alarm, which only the main thread may use: elsewhere (an async Ray
+    # actor's event loop, the Evaluator) its parse raises ValueError unless the timeout is off.
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(f"${answer}$", parsing_timeout=limit) or parse(answer, parsing_timeout=limit)
+    pred = parse(f"${got}$", parsing_timeout=limit) or parse(got, parsing_timeout=limit)
     if not gold or not pred:
         return float(got.strip() == answer.strip())
     try:
-        return 1.0 if verify(gold, pred) else 0.0
+        return 1.0 if verify(gold, pred, timeout_seconds=limit) else 0.0
     except Exception:  # math-verify raises on exotic input; a wrong format earns nothing
         return 0.0
 

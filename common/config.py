@@ -97,6 +97,10 @@ class DataConfig:
     answer_column: str = _field("answer", "Column holding the reference answer given to the reward.")
     id_column: str | None = _field(None, "Optional column with a stable prompt id (row index otherwise).")
     system_prompt: str | None = _field(None, "System message put before every prompt by the chat template.")
+    few_shot: list[dict] = _field(
+        [], "Solved examples put before every prompt as earlier turns, each `{prompt: ..., answer: ...}` (a user "
+            "turn, then the assistant's answer, through the chat template): how a pretrained, not "
+            "instruction-tuned, model learns the answer format.")
     use_chat_template: bool = _field(True, "Render prompts with the tokenizer's chat template.")
     shuffle_seed: int = _field(0, "Seed of the per-epoch shuffle.")
     epochs: int = _field(100, "Passes over the data (training stops at train.total_steps anyway).")
@@ -113,6 +117,10 @@ class DataConfig:
             (self.epochs >= 1, "data.epochs: must be >= 1"),
             (self.builtin_size >= 1, "data.builtin_size: must be >= 1"),
             (bool(self.split) and "/" not in self.split, f"data.split: {self.split!r} is not a split name"),
+            *((isinstance(ex, dict) and set(ex) == {"prompt", "answer"}
+               and all(isinstance(v, str) and v for v in ex.values()),
+               f"data.few_shot[{i}]: expected {{prompt: text, answer: text}}, got {ex!r}")
+              for i, ex in enumerate(self.few_shot)),
         )
 
 
@@ -488,7 +496,13 @@ class Config:
 
     @property
     def max_loras(self) -> int:
-        return self.sync.max_loras if self.sync.max_loras is not None else self.sync.max_staleness + 2
+        return self.sync.max_loras if self.sync.max_loras is not None else self.min_loras
+
+    @property
+    def min_loras(self) -> int:
+        """Adapter slots a replica needs: the live versions (max_staleness + 1), one to swap in the next, and
+        with evaluation one for the version under evaluation (held past the live window until it ends)."""
+        return self.sync.max_staleness + 2 + (1 if self.eval.path else 0)
 
     @property
     def torch_dtype(self) -> str:
@@ -539,6 +553,9 @@ def _cross_section_problems(cfg: Config) -> list[str]:
          "episodes with env.max_episode_tokens"),
         (cfg.env.max_episode_tokens is None or cfg.env.max_episode_tokens <= model.max_model_len,
          f"env.max_episode_tokens: {cfg.env.max_episode_tokens} exceeds model.max_model_len {model.max_model_len}"),
+        (cfg.sync.max_loras is None or cfg.sync.max_loras >= cfg.min_loras,
+         f"sync.max_loras: {cfg.sync.max_loras} < {cfg.min_loras} (max_staleness + 2, plus 1 for the version under "
+         "evaluation while eval.path is set)"),
         (cfg.eval.path not in ("builtin:letters-heldout", "builtin:letter-hunt-heldout")
          or cfg.data.builtin_size <= 4096,
          f"eval.path: builtin:letters-heldout is disjoint from the first 4096 builtin:letters prompts only; "

@@ -43,6 +43,10 @@ class AdapterRegistry:
         self.expired_aborts = self.expire_errors = 0
         self._last_expire_error: str | None = None
         self.load_retries = 0  # over the registry's life; each publish record has its own count
+        # (version, holder) -> time.monotonic() deadline: versions kept past the rollout window for a reader
+        # that outlives it (an evaluation scoring one version for a minute while versions turn over every
+        # few seconds). A lease, so a reader that dies frees its version by itself.
+        self._holds: dict[tuple[int, str], float] = {}
 
     async def attach_ingress(self, app_name: str | None, deployment_name: str | None = None) -> None:
         """Attach the app's ingress (`serve.get_app_handle(app_name)`, or the named deployment of that
@@ -88,9 +92,7 @@ class AdapterRegistry:
                 raise
             load_s = time.perf_counter() - t1
         self._live.append(version)
-        expired = self._trim()
-        if expired and self._ingress is not None:
-            self._expiring.add(asyncio.ensure_future(self._expire(expired)))
+        self._expire_later(self._trim())
         return {"version": version, "nbytes": meta.get("nbytes", 0), "kind": meta.get("kind", "adapter"),
                 "load_retries": retries, "seconds": time.perf_counter() - t0, "replica_load_seconds": load_s,
                 "time": time.time()}
@@ -119,6 +121,22 @@ class AdapterRegistry:
             raise KeyError(f"policy-v{version} is not held by the registry (held: {sorted(self._refs)})")
         return {"ref": [self._refs[version]], "meta": self._meta[version]}
 
+    async def hold(self, want: int | None, holder: str, ttl_s: float) -> int | None:
+        """Pick a version as `pick_version` does (`want` if live, else the newest live one not newer) and
+        keep it live, payload included, until `release(version, holder)` or `ttl_s` seconds. Replicas need
+        one adapter slot more for it (`Config.max_loras`). None: nothing is live (the base model serves)."""
+        if ttl_s <= 0:
+            raise ValueError(f"hold: ttl_s must be > 0, got {ttl_s}")
+        version = pick_version(self._live, want)
+        if version is not None:
+            self._holds[(version, holder)] = time.monotonic() + ttl_s
+        return version
+
+    async def release(self, version: int | None, holder: str) -> None:
+        """End a hold; the version leaves now if it is past the rollout window."""
+        if self._holds.pop((version, holder), None) is not None:
+            self._expire_later(self._trim())
+
     async def live_versions(self) -> list[int]:
         return list(self._live)
 
@@ -134,15 +152,25 @@ class AdapterRegistry:
         self._refs.pop(version, None)
         self._meta.pop(version, None)
 
+    def _held(self) -> set[int]:
+        now = time.monotonic()
+        self._holds = {key: deadline for key, deadline in self._holds.items() if deadline > now}
+        return {version for version, _ in self._holds}
+
     def _trim(self) -> list[int]:
-        """Drop the versions beyond `keep`; returns them. With keep = max_staleness + 1, a trimmed version
-        is older than max_staleness for a trainer that published its newer ones, so its samples can only
-        be dropped as stale."""
-        out = []
-        while len(self._live) > self._keep:
-            out.append(self._live.pop(0))
-            self._forget(out[-1])
+        """Drop the versions older than the newest `keep` that nobody holds; returns them. With keep =
+        max_staleness + 1, a trimmed version is older than max_staleness for a trainer that published its
+        newer ones, so its samples can only be dropped as stale."""
+        window, held = set(self._live[-self._keep:]), self._held()
+        out = [v for v in self._live if v not in window and v not in held]
+        self._live = [v for v in self._live if v not in out]
+        for version in out:
+            self._forget(version)
         return out
+
+    def _expire_later(self, versions: list[int]) -> None:
+        if versions and self._ingress is not None:
+            self._expiring.add(asyncio.ensure_future(self._expire(versions)))
 
     async def _expire(self, versions: list[int]) -> None:
         """Tell the replicas (through the ingress) to abort the rollout requests of expired versions, so
@@ -165,9 +193,22 @@ class AdapterRegistry:
 
     async def stats(self) -> dict:
         """Live versions, load retries and the expiry counters (rollouts aborted early, failed expire calls)."""
-        return {"live_versions": list(self._live), "load_retries": self.load_retries,
+        return {"live_versions": list(self._live), "held_versions": sorted(self._held()),
+                "load_retries": self.load_retries,
                 "expired_aborts": self.expired_aborts, "expire_errors": self.expire_errors,
                 "last_expire_error": self._last_expire_error}
+
+
+def pick_version(live: list[int], want: int | None) -> int | None:
+    """The version a reader of `want` gets: `want` if live; else the newest live one not newer than it (a
+    step off the sync.every grid published nothing); else the newest live one; None = whatever the ingress
+    serves (the base model when nothing is live)."""
+    if want is None or not live:
+        return live[-1] if live else None
+    if want in live:
+        return want
+    older = [v for v in live if v <= want]
+    return older[-1] if older else live[-1]
 
 
 def get_or_create_registry(keep: int = 3):

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from app.data import HELDOUT_EXCLUDE, letters_heldout, letters_key, letters_task, load_prompts
-from app.evaluate import pick_version, score_eval
+from app.evaluate import score_eval
 from common import config as C
+from common.registry import pick_version
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -102,3 +102,48 @@ def test_a_refused_load_is_not_retried_and_the_version_is_dropped(ray_local, mon
         return await registry.live_versions()
 
     assert asyncio.run(go()) == [] and loads == [1] and len(handles) == 1
+
+
+def test_a_held_version_outlives_the_live_window_until_released_or_its_lease_ends(ray_local, monkeypatch):
+    """An evaluation holds the version it scores: it stays live (payload too) while newer versions turn
+    over, leaves at release, and a holder that never releases loses it when its lease ends."""
+    import torch
+
+    registry, loads, _ = _registry(monkeypatch, [])
+    expired: list[list[int]] = []
+
+    async def record_expiry(versions):
+        expired.append(list(versions))
+
+    registry._expire = record_expiry
+
+    async def go():
+        await registry.attach_ingress("app")
+        for v in (1, 2, 3):
+            await registry.publish(v, {"w": torch.full((2,), float(v))}, {"kind": "adapter"})
+        assert await registry.hold(2, "eval", 60.0) == 2
+        assert await registry.hold(9, "other", 60.0) == 3  # not live yet: the newest older one
+        for v in (4, 5, 6, 7):
+            await registry.publish(v, {"w": torch.full((2,), float(v))}, {"kind": "adapter"})
+        live_held = await registry.live_versions()
+        payload = await registry.get(2)
+        await registry.release(2, "eval")
+        await registry.release(3, "other")
+        await asyncio.sleep(0)  # the expiry task runs
+        live_after = await registry.live_versions()
+        with pytest.raises(KeyError):
+            await registry.get(2)
+        assert await registry.hold(7, "dies", 0.05) == 7
+        for v in (8, 9, 10, 11):
+            await asyncio.sleep(0.06)
+            await registry.publish(v, {"w": torch.full((2,), float(v))}, {"kind": "adapter"})
+        return live_held, payload, live_after, await registry.live_versions(), await registry.stats()
+
+    live_held, payload, live_after, live_lapsed, stats = asyncio.run(go())
+    assert live_held == [2, 3, 5, 6, 7]  # keep=3 plus the two held
+    assert torch.equal(ray_local.get(payload["ref"][0])["w"], torch.full((2,), 2.0))
+    assert live_after == [5, 6, 7]
+    assert live_lapsed == [9, 10, 11] and stats["held_versions"] == []
+    assert [2, 3] in expired or ([2] in expired and [3] in expired)  # replicas told to abort the released ones
+    with pytest.raises(ValueError, match="ttl_s"):
+        asyncio.run(registry.hold(9, "x", 0))
