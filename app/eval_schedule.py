@@ -17,9 +17,10 @@ class EvalSchedule:
 
     def __init__(self, cfg: Config, rows: list[dict], metrics):
         from app.evaluate import Evaluator
+        from common.placement import on_driver_node
 
         self.every, self.metrics = cfg.eval.every, metrics
-        self.actor = Evaluator.remote(cfg.to_dict(), rows)
+        self.actor = Evaluator.options(**on_driver_node()).remote(cfg.to_dict(), rows)
         self.pending = None  # (ref, step)
         self.results: list[dict] = []
         self.latest: dict | None = None

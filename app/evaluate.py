@@ -174,6 +174,7 @@ def evaluate_service(cfg: Config, rows: list[dict], payload=None, verbose: bool 
     from ray import serve
 
     from app.console import Console
+    from common.placement import on_driver_node
     from common.ray_utils import init_ray, kill_actor
     from common.registry import get_or_create_registry
     from serve_deployments.app_builder import start_with_adapter, wait_healthy
@@ -183,7 +184,7 @@ def evaluate_service(cfg: Config, rows: list[dict], payload=None, verbose: bool 
     console = Console(None, verbose)
     init_ray(cfg, verbose=verbose)
     console.adopt_ray_loggers()
-    registry = get_or_create_registry()
+    registry = get_or_create_registry(**on_driver_node())
     evaluator = None
     try:
         handle, version = start_with_adapter(cfg, registry, payload)

@@ -52,14 +52,16 @@ def start_run_actors(cfg: Config, rows: list[dict], resume: Resume | None) -> Ru
     from app.loggers import tracking_options
     from app.metrics import RunMetrics
     from common.names import BUFFER_NAME, METRICS_NAME, NAMESPACE
+    from common.placement import on_driver_node
     from common.registry import get_or_create_registry
 
-    registry = get_or_create_registry(keep=cfg.sync.max_staleness + 1)
-    metrics = RunMetrics.options(name=METRICS_NAME, namespace=NAMESPACE).remote(
+    here = on_driver_node()
+    registry = get_or_create_registry(keep=cfg.sync.max_staleness + 1, **here)
+    metrics = RunMetrics.options(name=METRICS_NAME, namespace=NAMESPACE, **here).remote(
         str(cfg.run_dir), cfg.run.name, tracking=tracking_options(cfg),
         resume_step=resume.step if resume is not None else None)
     # The buffer is the run's one prompt source.
-    buffer = RolloutBuffer.options(name=BUFFER_NAME, namespace=NAMESPACE).remote(
+    buffer = RolloutBuffer.options(name=BUFFER_NAME, namespace=NAMESPACE, **here).remote(
         cfg.sync.max_staleness, cfg.grpo.prompts_per_step, rows, lead=0 if cfg.run.mode == "sync" else None,
         seed=cfg.data.shuffle_seed, epochs=cfg.data.epochs,
         consumed=resume.state.get("data") if resume is not None else None,

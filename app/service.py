@@ -69,12 +69,13 @@ def serve_policy(cfg: Config, payload: tuple[dict, dict] | None, adapter_dir: st
     import ray
     from ray import serve
 
+    from common.placement import on_driver_node
     from common.registry import get_or_create_registry
     from serve_deployments.app_builder import start_with_adapter, wait_healthy
 
     address = address or cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
     ray.init(address=address or None, ignore_reinit_error=True)
-    registry = get_or_create_registry()
+    registry = get_or_create_registry(**on_driver_node())
     handle, version = start_with_adapter(cfg, registry, payload)
     if version is not None:
         print(f"published {adapter_dir} as policy-v{version} (policy-latest)", flush=True)

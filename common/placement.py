@@ -11,6 +11,19 @@ from __future__ import annotations
 from common.config import Config
 
 
+def on_driver_node() -> dict:
+    """Actor options that place an actor on the node of the process calling this (the run's driver; under
+    `ray job submit` the head node). The run's own state (registry, buffer, metrics, evaluator) lives
+    there: it holds no CPU or GPU, and losing a worker node then never takes it, only replicas and
+    workers, which come back (docs/ARCHITECTURE.md, "Faults"). Not soft: on another node a lost node
+    would take the run's state with it, which is worse than waiting."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                  soft=False)}
+
+
 def trainer_resources(cfg: Config) -> dict[str, float]:
     """Ray resources of one train worker."""
     t = cfg.train

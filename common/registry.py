@@ -211,5 +211,7 @@ def pick_version(live: list[int], want: int | None) -> int | None:
     return older[-1] if older else live[-1]
 
 
-def get_or_create_registry(keep: int = 3):
-    return AdapterRegistry.options(name=REGISTRY_NAME, namespace=NAMESPACE, get_if_exists=True).remote(keep)
+def get_or_create_registry(keep: int = 3, **options):
+    """The named registry; `options` (e.g. placement.on_driver_node()) apply when it is created here."""
+    return AdapterRegistry.options(name=REGISTRY_NAME, namespace=NAMESPACE, get_if_exists=True,
+                                   **options).remote(keep)

@@ -64,12 +64,14 @@ def start_service(cfg: Config, registry_name: str | None = None, registry_namesp
     replica. Returns the ingress handle."""
     import ray
 
+    from common.placement import on_driver_node
     from common.registry import NAMESPACE, REGISTRY_NAME, get_or_create_registry
 
     registry_name = registry_name or REGISTRY_NAME
     registry_namespace = registry_namespace or NAMESPACE
     if registry is None:
-        registry = (get_or_create_registry() if (registry_name, registry_namespace) == (REGISTRY_NAME, NAMESPACE)
+        own = (registry_name, registry_namespace) == (REGISTRY_NAME, NAMESPACE)
+        registry = (get_or_create_registry(**on_driver_node()) if own
                     else ray.get_actor(registry_name, namespace=registry_namespace))
     # No-op (with a warning) when Serve already runs, e.g. on another port in tests: it keeps its settings.
     serve.start(http_options={"host": "0.0.0.0", "port": cfg.rollout.http_port}, logging_config=logging_config)
