@@ -38,6 +38,7 @@ RouterPolicy = Literal["prefix", "round_robin", "serve_default"]
 ROUTING_POLICIES: tuple[str, ...] = typing.get_args(RouterPolicy)
 SyncMode = Literal["adapter", "merge"]
 RunMode = Literal["async", "sync"]
+ProxyLocation = Literal["EveryNode", "HeadOnly", "Disabled"]  # ray.serve.config.ProxyLocation
 # run.loggers entries -> (modules, any one of which will do; the pip extra that installs them). See app/loggers.py.
 LoggerName = Literal["jsonl", "tensorboard", "mlflow", "wandb"]
 LOGGER_PACKAGES: dict[LoggerName, tuple[tuple[str, ...], str]] = {
@@ -190,7 +191,9 @@ class GRPOConfig:
     dynamic_sampling: bool = _field(False, "Drop groups whose rewards are all equal (no learning signal) and sample "
                                            "new ones in their place (DAPO); counted as filtered_groups.")
     temperature: float = _field(1.0, "Sampling temperature.")
-    top_p: float = _field(1.0, "Sampling top-p.")
+    top_p: float = _field(1.0, "Sampling top-p (nucleus). The trainer's logprobs, and the KL reference's, are taken "
+                               "under the same truncated distribution vLLM samples from "
+                               "(train_loops/head_logprobs.py), so the importance ratio stays unbiased.")
     ignore_eos: bool = _field(False, "Generate exactly max_new_tokens per completion (speed benchmarks; "
                                      "length-controlled runs).")
     max_new_tokens: int = _field(16, "Max completion tokens.")
@@ -292,6 +295,10 @@ class RolloutConfig:
     groups_per_worker: int = _field(1, "Groups each rollout worker samples concurrently (workers x this = groups in "
                                        "flight; enough to fill the engines' batches on GPU).")
     http_port: int = _field(8000, "Serve HTTP port of the OpenAI-compatible router.")
+    proxy_location: ProxyLocation = _field(
+        "EveryNode", "Where Serve runs its HTTP proxies: EveryNode (each node answers on http_port), HeadOnly "
+                     "(one proxy; also for several nodes on one machine, which would all bind the same port) "
+                     "or Disabled (rollouts only, through handles).")
     admin_token: str | None = _field(None, "Bearer token for admin routes; env LORA_GRPO_ADMIN_TOKEN if null; "
                                            "none = admin off.")
     app_name: str = _field("policy", "Serve application name.")

@@ -71,8 +71,10 @@ def engine_kwargs(cfg: Config) -> dict:
         "gpu_memory_utilization": r.gpu_memory_utilization,
         "worker_extension_cls": WORKER_EXTENSION,
         "disable_log_stats": True,  # our own stat logger still gets vLLM's counters
-        # Behaviour logprobs must be those of the distribution actually sampled (after temperature),
-        # which is what the trainer recomputes; vLLM's default returns them before temperature.
+        # Behaviour logprobs must be those of the distribution actually sampled (after temperature and
+        # the top-p truncation), which is what the trainer recomputes (train_loops/head_logprobs.py);
+        # vLLM's default returns them before both. (vLLM 0.32 keeps its GPU sampler off FlashInfer in
+        # this mode: FlashInfer cannot return them.)
         "logprobs_mode": "processed_logprobs",
     }
 

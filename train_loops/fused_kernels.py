@@ -3,8 +3,9 @@
 A LoRA step on a 1.5B body spends about half its GPU time in elementwise kernels around the GEMMs
 (norms with their float32 round trips, rotary embeddings, the gated MLP's activation); Liger fuses each
 into one kernel forward and one backward. Liger patches the model instance by its `model_type`; the
-loss is ours (train_loops/head_logprobs.py), so its cross-entropy patches stay off. Triton has no CPU
-backend here: on CPU nothing is patched.
+loss is ours (train_loops/head_logprobs.py), so its cross-entropy patches stay off: they could not apply
+`grpo.top_p`'s nucleus, which head_logprobs does with or without Liger. Triton has no CPU backend here:
+on CPU nothing is patched.
 
 `train.liger_kernels`: auto = on GPU when `liger_kernel` is installed (`.[gpu]`), on = required, off.
 """

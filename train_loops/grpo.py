@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from common.config import GRPOConfig, LossAgg
-from train_loops.head_logprobs import head_logprobs
+from train_loops.head_logprobs import head_logprobs, nucleus, nucleus_log_weights
 from train_loops.losses import agg_loss, get_policy_loss
 
 __all__ = ["aggregate", "group_advantages", "grpo_loss", "chunked_token_logprobs",
@@ -62,10 +62,17 @@ def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tens
                                    seq_denominator=seq_denominator)
 
 
-def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.nn.Module, temperature: float):
+def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.nn.Module, temperature: float,
+                    top_p: float = 1.0):
     logits = lm_head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
+    if top_p < 1.0:  # the nucleus vLLM sampled from: see train_loops/head_logprobs.py
+        with torch.no_grad():
+            tau, tie_w, _, entropy = nucleus(logits, targets, top_p)
+            log_w = nucleus_log_weights(logits, targets, tau, tie_w)
+        logz = torch.logsumexp(logits + log_w, dim=-1)
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - logz, entropy
     logz = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
     with torch.no_grad():
@@ -75,8 +82,11 @@ def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.nn.Module,
-                           chunk: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [N, H], targets [N] -> (logp [N] with grad, entropy [N] detached).
+                           chunk: int, temperature: float = 1.0,
+                           top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [N, H], targets [N] -> (logp [N] with grad, entropy [N] detached), both under the
+    distribution vLLM samples from: softmax(logits / temperature), truncated to the top-p nucleus when
+    top_p < 1 (train_loops/head_logprobs.py).
 
     Peak memory is one chunk x vocab in float32: a frozen, unpartitioned, bias-free head goes through
     train_loops/head_logprobs.py (logits made again in the backward and turned into the gradient in
@@ -85,14 +95,14 @@ def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head:
     if (torch.is_grad_enabled() and hidden.requires_grad and weight is not None and not weight.requires_grad
             and getattr(lm_head, "bias", None) is None and getattr(weight, "ds_id", None) is None
             and hidden.shape[0]):
-        return head_logprobs(hidden, targets, weight, chunk, temperature)
+        return head_logprobs(hidden, targets, weight, chunk, temperature, top_p)
     logps, ents = [], []
     for i in range(0, hidden.shape[0], chunk):
         h, y = hidden[i:i + chunk], targets[i:i + chunk]
         if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(_chunk_logprobs, h, y, lm_head, temperature, use_reentrant=False)
+            lp, ent = checkpoint(_chunk_logprobs, h, y, lm_head, temperature, top_p, use_reentrant=False)
         else:
-            lp, ent = _chunk_logprobs(h, y, lm_head, temperature)
+            lp, ent = _chunk_logprobs(h, y, lm_head, temperature, top_p)
         logps.append(lp)
         ents.append(ent)
     if not logps:
@@ -103,18 +113,25 @@ def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head:
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, pred_pos: torch.Tensor,
                       targets: torch.Tensor, mask: torch.Tensor, chunk: int,
-                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token logprobs of the completion tokens only.
+                      temperature: float = 1.0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token logprobs of the completion tokens only, under the sampling distribution (temperature, top-p).
 
     `model` is a HF causal LM (or a PEFT wrapper of one); its decoder runs once over the full sequences,
     then only the hidden states at `pred_pos` (the position predicting each completion token) go
-    through the LM head, chunked. Returns (logp [B, T], entropy [B, T]), zero where mask is 0."""
+    through the LM head, chunked. Returns (logp [B, T], entropy [B, T]), zero where mask is 0.
+
+    The reference forward of the KL term (adapter disabled) must get the same top_p: truncated to the
+    base model's own nucleus, the KL compares the distributions the two policies would sample from and
+    is exactly 0 while the adapter is a no-op. A full-softmax reference against a truncated policy would
+    not be: logp_trunc >= logp_full always, so k3 would be positive at init and its gradient would push
+    every sampled token's probability down."""
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden = hf.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     B, T = targets.shape
     picked = hidden.gather(1, pred_pos[..., None].expand(B, T, hidden.shape[-1]))
     real = mask.bool()
-    lp, ent = chunked_token_logprobs(picked[real], targets[real], hf.get_output_embeddings(), chunk, temperature)
+    lp, ent = chunked_token_logprobs(picked[real], targets[real], hf.get_output_embeddings(), chunk, temperature,
+                                     top_p)
     logp = torch.zeros(B, T, dtype=lp.dtype, device=lp.device).masked_scatter(real, lp)
     entropy = torch.zeros(B, T, dtype=ent.dtype, device=ent.device).masked_scatter(real, ent)
     return logp, entropy
