@@ -74,7 +74,8 @@ def start_service(cfg: Config, registry_name: str | None = None, registry_namesp
         registry = (get_or_create_registry(**on_driver_node()) if own
                     else ray.get_actor(registry_name, namespace=registry_namespace))
     # No-op (with a warning) when Serve already runs, e.g. on another port in tests: it keeps its settings.
-    serve.start(http_options={"host": "0.0.0.0", "port": cfg.rollout.http_port}, logging_config=logging_config)
+    serve.start(proxy_location=cfg.rollout.proxy_location, logging_config=logging_config,
+                http_options={"host": "0.0.0.0", "port": cfg.rollout.http_port})
     handle = serve.run(build_app(cfg, registry_name, registry_namespace), name=cfg.rollout.app_name,
                        route_prefix="/")
     ray.get(registry.attach_ingress.remote(cfg.rollout.app_name))

@@ -1,0 +1,163 @@
+"""Node loss on a local multi-node Ray cluster (issue 22): the tiny recipe runs on a head (the driver, the run's
+own actors, no CPU) and three 2-CPU worker nodes (`ray.cluster_utils.Cluster`: one raylet each, as a real
+cluster looks to Ray); whole worker nodes are removed mid-run, then the data accounting is counted as
+`bench reliability` counts it.
+
+    python -m app bench node_loss              # ~10 min on the 2-core machine
+    python -m app bench node_loss --quick      # fewer steps
+
+Faults, each once the previous one was survived (a step logged after it): the node of a vLLM replica, the
+node of a train worker. No node is added back (`Cluster.add_node` must run on the main thread, which runs
+the driver here): the run finishes on the node left, which fits it. Writes benchmarks/results/node_loss[_quick].json:
+completed, steps, each fault's node, what it held and the seconds to the next step, and the accounting (all 0
+when nothing was lost or doubled).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_reliability import _rows, data_accounting  # noqa: E402
+
+NODE_CPUS = 2
+
+
+def _actors_by_node() -> dict[str, list[str]]:
+    """Live actors' class names per node id (the GCS's table: no dashboard needed)."""
+    from ray._private import state
+
+    out: dict[str, list[str]] = {}
+    for a in state.actors().values():
+        if a.get("State") == "ALIVE":
+            out.setdefault((a.get("Address") or {}).get("NodeID", ""), []).append(a.get("ActorClassName") or "")
+    return out
+
+
+class NodeKiller(threading.Thread):
+    def __init__(self, cluster, run_dir: Path, faults: list[str], first_step: int, gap: int):
+        super().__init__(daemon=True)
+        self.cluster, self.run_dir, self.faults = cluster, run_dir, faults
+        self.first_step, self.gap = first_step, gap
+        self.log: list[dict] = []
+        self.stop = threading.Event()
+
+    def _step(self) -> int:
+        return max((r["step"] for r in _rows(self.run_dir)), default=0)
+
+    def _wait_step(self, n: int, timeout: float = 900) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            if self._step() >= n:
+                return True
+            time.sleep(0.5)
+        return False
+
+    def _victim(self, fault: str):
+        want = {"replica": "RolloutReplica", "train_worker": "RayTrainWorker"}[fault]
+        held = _actors_by_node()
+        for node in self.cluster.worker_nodes:
+            classes = held.get(node.node_id, [])
+            if any(want in c for c in classes):
+                return node, sorted(classes)
+        raise LookupError(f"no worker node holds a {want}; held: {held}")
+
+    def run(self) -> None:
+        at = self.first_step
+        for fault in self.faults:
+            if not self._wait_step(at):
+                self.log.append({"fault": fault, "injected": False, "reason": "run ended first"})
+                continue
+            rec: dict = {"fault": fault, "injected_after_step": self._step()}
+            try:
+                node, classes = self._victim(fault)
+                self.cluster.remove_node(node, allow_graceful=False)
+                rec.update(injected=True, node=node.node_id[:12], held=classes, time=time.time())
+            except Exception as e:
+                rec.update(injected=False, reason=f"{type(e).__name__}: {e}"[:300])
+                self.log.append(rec)
+                continue
+            t0 = time.monotonic()
+            survived = self._wait_step(rec["injected_after_step"] + 1)
+            rec.update(survived=survived, seconds_to_next_step=round(time.monotonic() - t0, 1))
+            self.log.append(rec)
+            at = rec["injected_after_step"] + self.gap
+
+
+def run(work: Path, model: Path, steps: int, prompts: int, gap: int) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from app import driver
+    from common import config as C
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(3):
+        cluster.add_node(num_cpus=NODE_CPUS)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
+                                       "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600"}})
+    cfg = C.load(str(REPO / "recipes" / "tiny-cpu.yaml"), [
+        f"model.path={model}", "model.build_tiny=false", f"run.out_dir={work}", "run.name=node-loss",
+        f"train.total_steps={steps}", "checkpoint.every=3", f"data.builtin_size={prompts}",
+        "grpo.prompts_per_step=8", "grpo.group_size=4", "grpo.max_new_tokens=24", "eval.path=null",
+        "run.stall_timeout_s=600", "rollout.proxy_location=HeadOnly"])  # the nodes share one machine's ports
+    out: dict = {"config": {"steps": steps, "prompts": prompts, "nodes": f"head (0 CPU) + 3 x {NODE_CPUS} CPU",
+                            "replicas": cfg.rollout.replicas, "train_workers": cfg.train.num_workers}}
+    killer = NodeKiller(cluster, work / "node-loss", ["replica", "train_worker"], first_step=4, gap=gap)
+    t0 = time.time()
+    try:
+        killer.start()
+        try:
+            summary = driver.run(cfg, progress=False)
+            out.update(completed=True, steps=summary["steps"])
+        except Exception as e:
+            out.update(completed=False, error=f"{type(e).__name__}: {e}"[:800])
+            summary = {}
+        killer.stop.set()
+        killer.join(timeout=5)
+        out["wall_seconds"] = round(time.time() - t0, 1)
+        out["faults"] = killer.log
+        rows = _rows(work / "node-loss")
+        out["data"] = data_accounting(rows, prompts, 8, 4, steps,
+                                      ((summary.get("buffer") or {}).get("prompts") or {}).get("pending"))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    from app.tiny_model import ensure_model
+
+    steps, prompts, gap = (12, 64, 3) if args.quick else (24, 128, 8)
+    with tempfile.TemporaryDirectory(prefix="node-loss-") as tmp:
+        work = Path(tmp)
+        model = ensure_model(work / "tiny-model")
+        res = run(work, Path(model), steps, prompts, gap)
+    res.update(machine=f"{platform.machine()}, {os.cpu_count()} cores", command=" ".join(
+        ["python -m app bench node_loss", *(["--quick"] if args.quick else [])]))
+    print(json.dumps(res, indent=2, default=str))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "node_loss_quick.json" if args.quick else "node_loss.json"
+    (out / name).write_text(json.dumps(res, indent=2, default=str) + "\n")
+    return 0 if res.get("completed") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
