@@ -92,3 +92,22 @@ def test_async_vs_sync_quick(tmp_path):
     doc = run_quick("async_vs_sync", tmp_path, timeout=600)
     assert set(doc["results"]) == {"sync", "async"}
     assert all(r["steps"] == doc["steps"] for r in doc["results"].values())
+
+
+def test_node_loss_quick(tmp_path):
+    """A local cluster of a head and three worker nodes (issue 22): the node of a vLLM replica, then the node of
+    a train worker, are removed mid-run; the run finishes every step with nothing lost, doubled or skipped."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "app", "bench", "node_loss", "--quick", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"node_loss exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    doc = json.loads((tmp_path / "node_loss_quick.json").read_text())
+    assert doc["completed"] and doc["steps"] == doc["config"]["steps"]
+    assert [(f["fault"], f["injected"], f.get("survived")) for f in doc["faults"]] == [
+        ("replica", True, True), ("train_worker", True, True)], doc["faults"]
+    data = doc["data"]
+    assert data["groups_trained"] == data["groups_expected"]
+    assert {k: data[k] for k in ("step_rows_duplicated", "step_rows_missing", "samples_lost", "samples_doubled",
+                                 "prompts_replayed", "prompts_skipped")} == dict.fromkeys(
+        ("step_rows_duplicated", "step_rows_missing", "samples_lost", "samples_doubled", "prompts_replayed",
+         "prompts_skipped"), 0)
