@@ -220,3 +220,27 @@ def descendant_pids(title_part: str) -> list[int]:
         return False
 
     return [pid for pid, c in cmd.items() if title_part in c and pid != me and mine(pid)]
+
+
+def run_driver(cfg, gpus: int, progress: bool) -> tuple[dict, str | None, float]:
+    """One training run as the GPU benchmarks make it: a local Ray of `gpus` GPUs (PYTHONPATH passed on to
+    the workers: the offline GPU bundle lives there), `driver.run`, Ray shut down. Returns (summary, the error
+    that ended it or None, wall seconds): the caller's record says how it failed."""
+    import time
+
+    import ray
+
+    from app import driver
+
+    ray.init(address="local", num_gpus=gpus, include_dashboard=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
+                                       "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    t0 = time.time()
+    error = None
+    try:
+        summary = driver.run(cfg, progress=progress)
+    except Exception as e:
+        error, summary = f"{type(e).__name__}: {e}"[-3000:], {}
+    wall = time.time() - t0
+    ray.shutdown()
+    return summary, error, wall

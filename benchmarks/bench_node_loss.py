@@ -20,14 +20,13 @@ import os
 import platform
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_reliability import _rows, data_accounting  # noqa: E402
+from benchmarks.bench_reliability import Injector, _rows, data_accounting  # noqa: E402
 
 NODE_CPUS = 2
 
@@ -43,54 +42,21 @@ def _actors_by_node() -> dict[str, list[str]]:
     return out
 
 
-class NodeKiller(threading.Thread):
+class NodeKiller(Injector):
+    """bench reliability's injector, a whole worker node per fault instead of one process."""
+
     def __init__(self, cluster, run_dir: Path, faults: list[str], first_step: int, gap: int):
-        super().__init__(daemon=True)
-        self.cluster, self.run_dir, self.faults = cluster, run_dir, faults
-        self.first_step, self.gap = first_step, gap
-        self.log: list[dict] = []
-        self.stop = threading.Event()
+        super().__init__(None, run_dir, faults, first_step, gap)
+        self.cluster = cluster
 
-    def _step(self) -> int:
-        return max((r["step"] for r in _rows(self.run_dir)), default=0)
-
-    def _wait_step(self, n: int, timeout: float = 900) -> bool:
-        deadline = time.monotonic() + timeout
-        while not self.stop.is_set() and time.monotonic() < deadline:
-            if self._step() >= n:
-                return True
-            time.sleep(0.5)
-        return False
-
-    def _victim(self, fault: str):
+    def inject(self, fault: str) -> dict:
         want = {"replica": "RolloutReplica", "train_worker": "RayTrainWorker"}[fault]
         held = _actors_by_node()
-        for node in self.cluster.worker_nodes:
-            classes = held.get(node.node_id, [])
-            if any(want in c for c in classes):
-                return node, sorted(classes)
-        raise LookupError(f"no worker node holds a {want}; held: {held}")
-
-    def run(self) -> None:
-        at = self.first_step
-        for fault in self.faults:
-            if not self._wait_step(at):
-                self.log.append({"fault": fault, "injected": False, "reason": "run ended first"})
-                continue
-            rec: dict = {"fault": fault, "injected_after_step": self._step()}
-            try:
-                node, classes = self._victim(fault)
-                self.cluster.remove_node(node, allow_graceful=False)
-                rec.update(injected=True, node=node.node_id[:12], held=classes, time=time.time())
-            except Exception as e:
-                rec.update(injected=False, reason=f"{type(e).__name__}: {e}"[:300])
-                self.log.append(rec)
-                continue
-            t0 = time.monotonic()
-            survived = self._wait_step(rec["injected_after_step"] + 1)
-            rec.update(survived=survived, seconds_to_next_step=round(time.monotonic() - t0, 1))
-            self.log.append(rec)
-            at = rec["injected_after_step"] + self.gap
+        node = next((n for n in self.cluster.worker_nodes if any(want in c for c in held.get(n.node_id, []))), None)
+        if node is None:
+            raise LookupError(f"no worker node holds a {want}; held: {held}")
+        self.cluster.remove_node(node, allow_graceful=False)
+        return {"node": node.node_id[:12], "held": sorted(held.get(node.node_id, []))}
 
 
 def run(work: Path, model: Path, steps: int, prompts: int, gap: int) -> dict:

@@ -155,6 +155,12 @@ class Injector(threading.Thread):
         a = sorted(found, key=lambda a: a.get("name") or "")[-1]
         return {"pid": a["pid"], "what": f"{a.get('class_name')} {a.get('name') or a.get('actor_id', '')[:8]}"}
 
+    def inject(self, fault: str) -> dict:
+        """Inject one fault; returns what the record says of it (raises when it could not be injected)."""
+        v = self._victim(fault)
+        _kill_pid(v["pid"])
+        return {"victim": v["what"], "pid": v["pid"]}
+
     def run(self) -> None:
         at = self.first_step
         for fault in self.faults:
@@ -163,9 +169,7 @@ class Injector(threading.Thread):
                 continue
             rec: dict = {"fault": fault, "injected_after_step": self._step()}
             try:
-                v = self._victim(fault)
-                _kill_pid(v["pid"])
-                rec.update(injected=True, victim=v["what"], pid=v["pid"], time=time.time())
+                rec.update(self.inject(fault), injected=True, time=time.time())
             except Exception as e:
                 rec.update(injected=False, reason=f"{type(e).__name__}: {e}"[:300])
                 self.log.append(rec)

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,25 +107,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args(argv)
 
-    import ray
-
-    from app import driver
+    from benchmarks._common import run_driver
     from common import config as C
 
     recipe, sets, gpus = RUNS[args.run]
     name = args.tag or args.run + ("-merge" if args.merge else "")
     sets = sets + (["sync.mode=merge"] if args.merge else []) + [f"run.name={name}", "run.out_dir=runs/gpu"] + args.set
     cfg = C.load(str(REPO / recipe), sets)
-    ray.init(address="local", num_gpus=gpus, include_dashboard=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
-                                       "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
-    t0 = time.time()
-    error = None
-    try:
-        summary = driver.run(cfg, progress=True)
-    except Exception as e:  # the record says how it failed
-        error, summary = f"{type(e).__name__}: {e}"[-3000:], {}
-    wall = time.time() - t0
+    summary, error, wall = run_driver(cfg, gpus, progress=True)
     run_dir = cfg.run_dir
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if line.strip()] if (run_dir / "metrics.jsonl").exists() else []
@@ -147,7 +134,6 @@ def main(argv=None) -> int:
     # The per-step rows behind the record (reward curve, log ratios, timings).
     (out / f"gpu_runs-{name}.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(json.dumps(rec, indent=2, default=float), flush=True)
-    ray.shutdown()
     return 0 if error is None else 1
 
 

@@ -258,9 +258,7 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=64, help="--baseline: held-out prompts per difficulty")
     args = p.parse_args(argv)
 
-    import ray
-
-    from app import driver
+    from benchmarks._common import run_driver
     from common import config as C
 
     os.chdir(REPO)  # the recipe's relative paths (runs/...)
@@ -283,17 +281,7 @@ def main(argv=None) -> int:
         print(f"wrote {out}", flush=True)
         return 0
     cfg = C.load(str(REPO / RECIPE), sets + args.set)
-    ray.init(address="local", num_gpus=gpus, include_dashboard=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
-                                       "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
-    t0 = time.time()
-    error = None
-    try:
-        summary = driver.run(cfg, progress=not args.smoke)
-    except Exception as e:  # the record says how it failed
-        error, summary = f"{type(e).__name__}: {e}"[-3000:], {}
-    wall = time.time() - t0
-    ray.shutdown()
+    summary, error, wall = run_driver(cfg, gpus, progress=not args.smoke)
     metrics = cfg.run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
     rec = record(cfg, rows, summary, wall, command, model.format(dtype=cfg.torch_dtype))
