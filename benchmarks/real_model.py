@@ -157,7 +157,9 @@ def plot(rec: dict, rows: list[dict], path: Path) -> None:
     b.set(xlabel="step", ylabel="reward", ylim=(-0.02, 1.02), title=f"{rec['task']} ({rec['reward'].split(':')[-1]})")
     b.grid(alpha=0.3)
     b.legend()
-    fig.suptitle(f"{rec['model']} on {rec['device']}: accuracy {rec['accuracy_before']} -> {rec['accuracy_after']}"
+    acc = lambda x: f"{x:.3f}" if isinstance(x, (int, float)) else str(x)  # noqa: E731
+    fig.suptitle(f"{rec['model']} on {rec['device']}: held-out accuracy {acc(rec['accuracy_before'])} -> "
+                 f"{acc(rec['accuracy_after'])}"
                  f" in {rec['train_minutes'] or 0:.1f} min ({rec['steps']} steps)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
