@@ -21,6 +21,7 @@ COMMANDS = {
     "eval": "score a model or a saved adapter on held-out prompts through the served policy (accuracy, pass@k)",
     "report": "regenerate a run's plots and print its summary (finished, failed or still running)",
     "import-gguf": "convert a GGUF checkpoint once to an HF directory (safetensors, tokenizer, chat template)",
+    "fleet": "a rollout fleet many runs share: fleet up | status | down --name NAME (train --fleet NAME attaches)",
 }
 
 
@@ -52,9 +53,16 @@ def cmd_train(argv: list[str]) -> int:
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue RUN_DIR (stopped by Ctrl-C or killed) from its newest checkpoint, in RUN_DIR, "
                         "with its config.yaml (--set still overrides); every prompt of an epoch stays used once")
+    p.add_argument("--fleet", metavar="NAME", help="roll out on the shared fleet NAME (`fleet up`) instead of a "
+                                                   "service of the run's own; needs LORA_GRPO_FLEET_TOKEN")
+    p.add_argument("--wait", action="store_true", help="with --fleet: wait for free adapter slots instead of "
+                                                       "failing at once")
     args = p.parse_args(argv)
+    if args.fleet:
+        args.set = [*args.set, f"run.fleet={args.fleet}"] + (["run.fleet_wait=true"] if args.wait else [])
     from app import driver
     from app.data import DataError
+    from app.fleet import FleetAttachError, FleetLeaseLost
     from app.resume import ResumeError, prepare_resume
     from app.watch import StallError
     from common.config import ConfigError, load
@@ -71,10 +79,10 @@ def cmd_train(argv: list[str]) -> int:
             cfg.run.serve_after = True
         summary = driver.run(cfg, keep_serving=cfg.run.serve_after, progress=not args.no_progress,
                              verbose=args.verbose, resume=resume)
-    except (ConfigError, DataError, FileNotFoundError, ResumeError) as e:
+    except (ConfigError, DataError, FileNotFoundError, ResumeError, FleetAttachError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except StallError as e:
+    except (StallError, FleetLeaseLost) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -264,6 +272,64 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
+def cmd_fleet(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m app fleet", description=COMMANDS["fleet"] + (
+        ". The fleet lives on the Ray cluster (`ray start --head`) until `fleet down`; runs attach with "
+        "`python -m app train --config FILE --fleet NAME` and the admin token `fleet up` prints."))
+    p.add_argument("action", choices=["up", "status", "down"])
+    p.add_argument("--name", required=True, help="the fleet's name (Serve app fleet-NAME)")
+    p.add_argument("--model", help="up: HF model directory every run trains a LoRA adapter of")
+    p.add_argument("--replicas", type=int, default=None, help="up: vLLM replicas (default rollout.replicas)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="up: adapter slots per replica, shared by the runs (default sync.max_loras, else "
+                        "8)")
+    p.add_argument("--lease-s", type=float, default=30.0, help="up: a run that stops renewing is forgotten after "
+                                                               "this many seconds")
+    p.add_argument("--port", type=int, default=None, help="up: HTTP port (default rollout.http_port)")
+    p.add_argument("--read-token", default=None, help="up: REST readers need this bearer token (default: "
+                                                      "LORA_GRPO_FLEET_READ_TOKEN; none = open reading)")
+    p.add_argument("--token", default=None, help="up/down: the admin token (default LORA_GRPO_FLEET_TOKEN; up "
+                                                 "makes one when neither is set)")
+    p.add_argument("--config", help="up: YAML config for the engines, router and replicas")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="up: config override")
+    p.add_argument("--address", default=None, help="Ray cluster (default RAY_ADDRESS, else the running one)")
+    p.add_argument("--json", action="store_true", help="status: print JSON")
+    args = p.parse_args(argv)
+    import json
+
+    from app.fleet import DEFAULT_SLOTS, FleetAttachError, fleet_down, fleet_status, fleet_up, format_status
+    from common.config import ConfigError, load
+
+    try:
+        if args.action == "up":
+            if not args.model:
+                raise ConfigError(["fleet up: --model DIR is required"])
+            sets = list(args.set) + [f"model.path={args.model}", "model.build_tiny=false"]
+            if args.replicas is not None:
+                sets.append(f"rollout.replicas={args.replicas}")
+            if args.port is not None:
+                sets.append(f"rollout.http_port={args.port}")
+            cfg = load(args.config, sets)
+            slots = args.slots or cfg.sync.max_loras or DEFAULT_SLOTS
+            cfg = load(args.config, sets + [f"sync.max_loras={slots}"])
+            out = fleet_up(cfg, args.name, slots, args.lease_s, args.token, args.read_token, args.address)
+            print(f"fleet {args.name} is up: {out['replicas']} replicas, {slots} adapter slots each, "
+                  f"http://127.0.0.1:{out['http_port']}/v1")
+            print(f"admin token (runs attach with it: export LORA_GRPO_FLEET_TOKEN=...): {out['admin_token']}")
+            if out["read_token"]:
+                print("REST readers need the read token (Authorization: Bearer ...)")
+        elif args.action == "status":
+            st = fleet_status(args.name, args.address)
+            print(json.dumps(st, indent=1, default=str) if args.json else format_status(st))
+        else:
+            fleet_down(args.name, args.token, args.address)
+            print(f"fleet {args.name} is down")
+    except (ConfigError, FleetAttachError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_import_gguf(argv: list[str]) -> int:
     from app.import_gguf import main
 
@@ -279,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     fn = {"train": cmd_train, "serve": cmd_serve, "merge": cmd_merge, "tiny-model": cmd_tiny_model,
           "validate": cmd_validate, "bench": cmd_bench, "report": cmd_report,
-          "eval": cmd_eval, "import-gguf": cmd_import_gguf}.get(cmd)
+          "eval": cmd_eval, "import-gguf": cmd_import_gguf, "fleet": cmd_fleet}.get(cmd)
     if fn is None:
         print(f"unknown command {cmd!r}\n\n{_top_help()}", file=sys.stderr)
         return 2

@@ -56,9 +56,14 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, v
     from app.service import start_rollout_service
     from app.summary import finish_run
     from app.watch import Progress, train_and_watch
-    from common.ray_utils import init_ray
+    from common.ray_utils import init_ray, use_run_namespace
     from train_loops.trainer import build_trainer
 
+    if cfg.run.fleet:  # the run's rollouts go to its fleet's app
+        from common.names import fleet_app
+
+        cfg.rollout.app_name = fleet_app(cfg.run.fleet)
+    use_run_namespace(cfg)
     rows = preflight(cfg)
     run_dir = make_run_dir(cfg, resume)
     console.attach_file(run_dir / "logs")
@@ -77,10 +82,13 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, v
     try:
         if resume is not None:
             republish(cfg, actors.registry, resume)
-        ingress = start_rollout_service(cfg, actors.registry, verbose)
-        logger.info("service: app %r, %d vLLM replicas behind the %s router, http://127.0.0.1:%d/v1 (%.0fs)",
-                    cfg.rollout.app_name, cfg.rollout.replicas, cfg.router.policy, cfg.rollout.http_port,
-                    time.time() - started)
+        if cfg.run.fleet:
+            ingress = _attach_to_fleet(cfg, actors)
+        else:
+            ingress = start_rollout_service(cfg, actors.registry, verbose)
+            logger.info("service: app %r, %d vLLM replicas behind the %s router, http://127.0.0.1:%d/v1 (%.0fs)",
+                        cfg.rollout.app_name, cfg.rollout.replicas, cfg.router.policy, cfg.rollout.http_port,
+                        time.time() - started)
 
         actors.workers = start_workers(cfg)  # restartable; a restart frees its slots
         worker_runs = [w.run.remote() for w in actors.workers]
@@ -96,6 +104,7 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, v
 
         watch = Progress(cfg, actors.metrics, ingress, actors.buffer, actors.registry, progress, evals,
                          rows=ray.get(actors.metrics.get_rows.remote()) if resume is not None else None)
+        watch.lease = actors.lease
         outcome = train_and_watch(trainer, watch, actors.buffer, worker_runs)
         if outcome.interrupted and outcome.stopped_cleanly and watch.last_step < cfg.train.total_steps:
             logger.warning("stopped at step %d of %d (checkpoint saved); continue with: python -m app train "
@@ -111,6 +120,20 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, v
         return summary
     finally:
         actors.teardown(cfg, status, keep)
+
+
+def _attach_to_fleet(cfg: Config, actors):
+    """Attach the run to its fleet (a lease, renewed until the run ends) and point its registry at the fleet's
+    ingress with the run's name and token; returns the run's view of the ingress."""
+    import ray
+
+    from app.fleet import FleetLease
+    from common.run_ingress import ingress_for
+
+    actors.lease = FleetLease(cfg)
+    token = actors.lease.attach()
+    ray.get(actors.registry.attach_ingress.remote(cfg.rollout.app_name, None, cfg.run.name, token))
+    return ingress_for(cfg)
 
 
 def _log_cluster(cfg: Config, run_dir: Path) -> None:

@@ -78,18 +78,19 @@ class Evaluator:
 
     def _registry(self):
         """The run's AdapterRegistry, or None (a service started without one)."""
-        from common.names import NAMESPACE, REGISTRY_NAME
+        from common.names import REGISTRY_NAME
+        from common.run_ingress import run_namespace_of
 
         try:
-            return ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE)
+            return ray.get_actor(REGISTRY_NAME, namespace=run_namespace_of(self.cfg))
         except ValueError:
             return None
 
     def _ingress(self):
         if self._handle is None:
-            from ray import serve
+            from common.run_ingress import ingress_for
 
-            self._handle = serve.get_app_handle(self.cfg.rollout.app_name)
+            self._handle = ingress_for(self.cfg)
         return self._handle
 
     async def _one(self, sem: asyncio.Semaphore, ids: list[int], row: dict, version: int | None, k: int

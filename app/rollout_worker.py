@@ -34,7 +34,7 @@ import ray
 from common.config import Config, from_dict
 from common.faults import ROLLOUT_GROUP, is_gone, is_lost, short_error
 from common.names import BUFFER_NAME, METRICS_NAME, REGISTRY_NAME
-from common.ray_utils import named_actor
+from common.ray_utils import named_actor, use_run_namespace
 from common.types import Group, Sample
 
 logger = logging.getLogger("app.rollout_worker")
@@ -65,6 +65,7 @@ class RolloutWorker:
 
         self.cfg: Config = from_dict(cfg)
         self.worker_id = worker_id
+        use_run_namespace(self.cfg)
         self.buffer, self.metrics = named_actor(buffer_name), named_actor(metrics_name)
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
         self.scorer = load_scorer(self.cfg.reward.fn) if self.cfg.reward.fn else None
@@ -85,9 +86,9 @@ class RolloutWorker:
 
     def _ingress_handle(self):
         if self._ingress is None:
-            from ray import serve
+            from common.run_ingress import ingress_for
 
-            self._ingress = serve.get_app_handle(self.cfg.rollout.app_name)
+            self._ingress = ingress_for(self.cfg)
         return self._ingress
 
     def _count(self, key: str, n: int) -> None:

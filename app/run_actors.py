@@ -24,6 +24,7 @@ class RunActors:
     buffer: ActorHandle
     workers: list[ActorHandle] = field(default_factory=list)
     evaluator: ActorHandle | None = None
+    lease: object | None = None  # app.fleet.FleetLease of a run attached to a fleet
 
     def teardown(self, cfg: Config, status: str, keep_serving: bool) -> None:
         """Close the trackers with the run's status ("FINISHED", "FAILED", "KILLED"), end every actor of
@@ -39,7 +40,11 @@ class RunActors:
             logger.warning("metrics close failed: %s", e)
         for actor in [*self.workers, self.buffer, self.metrics, self.evaluator]:
             kill_actor(actor)
-        if keep_serving:
+        if cfg.run.fleet:  # the fleet serves on; the run's adapters leave with it
+            if self.lease is not None:
+                self.lease.detach(status)
+            kill_actor(self.registry)
+        elif keep_serving:
             keep_service(cfg.rollout.app_name, self.registry)
         else:
             delete_service(cfg.rollout.app_name, self.registry)
@@ -51,17 +56,19 @@ def start_run_actors(cfg: Config, rows: list[dict], resume: Resume | None) -> Ru
     from app.buffer import RolloutBuffer
     from app.loggers import tracking_options
     from app.metrics import RunMetrics
-    from common.names import BUFFER_NAME, METRICS_NAME, NAMESPACE
+    from common.names import BUFFER_NAME, METRICS_NAME
     from common.placement import on_driver_node
     from common.registry import get_or_create_registry
+    from common.run_ingress import run_namespace_of
 
     here = on_driver_node()
-    registry = get_or_create_registry(keep=cfg.sync.max_staleness + 1, **here)
-    metrics = RunMetrics.options(name=METRICS_NAME, namespace=NAMESPACE, **here).remote(
+    namespace = run_namespace_of(cfg)  # a fleet run's actors: a namespace of their own beside the other runs'
+    registry = get_or_create_registry(keep=cfg.sync.max_staleness + 1, namespace=namespace, **here)
+    metrics = RunMetrics.options(name=METRICS_NAME, namespace=namespace, **here).remote(
         str(cfg.run_dir), cfg.run.name, tracking=tracking_options(cfg),
         resume_step=resume.step if resume is not None else None)
     # The buffer is the run's one prompt source.
-    buffer = RolloutBuffer.options(name=BUFFER_NAME, namespace=NAMESPACE, **here).remote(
+    buffer = RolloutBuffer.options(name=BUFFER_NAME, namespace=namespace, **here).remote(
         cfg.sync.max_staleness, cfg.grpo.prompts_per_step, rows, lead=0 if cfg.run.mode == "sync" else None,
         seed=cfg.data.shuffle_seed, epochs=cfg.data.epochs,
         consumed=resume.state.get("data") if resume is not None else None,

@@ -60,6 +60,7 @@ class Progress:
         self._sync_s: float | None = None
         self._replicas: set | None = None
         self._warned: dict = {}
+        self.lease = None  # app.fleet.FleetLease of a run on a fleet: the run ends if the fleet forgot it
 
     @property
     def last_step(self) -> int:
@@ -68,6 +69,11 @@ class Progress:
     def poll(self) -> None:
         import ray
 
+        if self.lease is not None and self.lease.lost:
+            from app.fleet import FleetLeaseLost
+
+            raise FleetLeaseLost(f"fleet {self.lease.fleet} forgot run {self.lease.run} ({self.lease.lost}): its "
+                                 "adapters are unloaded, so the run stops")
         new = ray.get(self.metrics.get_rows.remote(len(self.rows)))
         if new:
             self._last_progress = self._last_note = time.monotonic()

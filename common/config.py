@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from common.loss_names import POLICY_LOSSES, PolicyLossName
+from common.types import RUN_NAME
 
 # model.dtype; `auto` is resolved by `resolve_dtype` (the only place that decides it).
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -408,6 +409,14 @@ class RunConfig:
         10, "Print one summary line (reward, eval, staleness, tokens/s, sync latency) every N steps "
             "on the console; Ray, Serve, vLLM and DeepSpeed logs go to RUN_DIR/logs/ "
             "(`train --verbose` streams them).")
+    fleet: str | None = _field(
+        None, "Train on a shared rollout fleet started by `python -m app fleet up --name NAME` instead of a "
+              "service of the run's own (docs/FLEET.md); the run is served there as RUN_NAME/policy-vN. "
+              "`train --fleet NAME` sets it.")
+    fleet_weight: float = _field(1.0, "The run's weight in the fleet's fair share of generated tokens.")
+    fleet_wait: bool = _field(False, "When the fleet has too few free adapter slots, wait for them instead of "
+                                     "failing at once (`train --wait`).")
+    fleet_token: str | None = _field(None, "The fleet's admin token, to attach; env LORA_GRPO_FLEET_TOKEN if null.")
 
     def problems(self) -> list[str]:
         known = typing.get_args(LoggerName)
@@ -420,6 +429,12 @@ class RunConfig:
             (bool(self.tracking_project), "run.tracking_project: must be a non-empty name"),
             (self.log_every >= 1, f"run.log_every: must be >= 1, got {self.log_every}"),
             (bool(self.name) and "/" not in self.name, "run.name: must be a non-empty name without '/'"),
+            (self.fleet is None or bool(RUN_NAME.fullmatch(self.fleet)),
+             f"run.fleet: {self.fleet!r} is not a fleet name (letters, digits, '_', '.', '-')"),
+            (self.fleet is None or bool(RUN_NAME.fullmatch(self.name)),
+             f"run.name: {self.name!r} names the run's adapters on the fleet (RUN/policy-vN): use letters, digits, "
+             "'_', '.', '-' (at most 64)"),
+            (self.fleet_weight > 0, f"run.fleet_weight: must be > 0, got {self.fleet_weight}"),
         )
 
 
@@ -563,6 +578,12 @@ def _cross_section_problems(cfg: Config) -> list[str]:
         (cfg.sync.max_loras is None or cfg.sync.max_loras >= cfg.min_loras,
          f"sync.max_loras: {cfg.sync.max_loras} < {cfg.min_loras} (max_staleness + 2, plus 1 for the version under "
          "evaluation while eval.path is set)"),
+        (cfg.run.fleet is None or not cfg.run.serve_after,
+         "run.serve_after: a run on a fleet leaves it when it ends (its lease); serve its saved adapter with "
+         "`python -m app serve --adapter RUN_DIR/adapter`"),
+        (cfg.run.fleet is None or cfg.sync.mode == "adapter",
+         "sync.mode: a run on a fleet (run.fleet) must use adapter mode; merge mode replaces the base model that "
+         "every run of the fleet shares"),
         (cfg.eval.path not in ("builtin:letters-heldout", "builtin:letter-hunt-heldout")
          or cfg.data.builtin_size <= 4096,
          f"eval.path: builtin:letters-heldout is disjoint from the first 4096 builtin:letters prompts only; "

@@ -40,12 +40,17 @@ def gpu_requests(cfg: Config) -> list[float]:
     """Every GPU request of the run, one entry per actor."""
     t, r = cfg.train, cfg.rollout
     return ([t.gpus_per_worker] * t.num_workers if t.use_gpu else []) + \
-        ([r.gpus_per_replica] * r.replicas if r.gpus_per_replica > 0 else [])
+        ([r.gpus_per_replica] * _replicas(cfg) if r.gpus_per_replica > 0 else [])
+
+
+def _replicas(cfg: Config) -> int:
+    """The run's own vLLM replicas: none on a fleet (the fleet's are placed already)."""
+    return 0 if cfg.run.fleet else cfg.rollout.replicas
 
 
 def total_request(cfg: Config) -> dict[str, float]:
     t, r = cfg.train, cfg.rollout
-    return {"CPU": t.num_workers * t.cpus_per_worker + r.replicas * r.cpus_per_replica,
+    return {"CPU": t.num_workers * t.cpus_per_worker + _replicas(cfg) * r.cpus_per_replica,
             "GPU": sum(gpu_requests(cfg))}
 
 

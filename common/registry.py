@@ -38,6 +38,7 @@ class AdapterRegistry:
         self._live: list[int] = []
         self._ingress = None  # DeploymentHandle of the Serve app's ingress
         self._ingress_args: tuple | None = None
+        self._run_kwargs: dict = {}  # on a fleet: {"run": RUN, "token": its token}, passed with every change
         self._keep = keep  # live versions: max_staleness + 1 (replicas hold one more slot for the swap)
         self._expiring: set[asyncio.Future] = set()  # expire calls in flight (kept from the GC)
         self.expired_aborts = self.expire_errors = 0
@@ -48,15 +49,18 @@ class AdapterRegistry:
         # few seconds). A lease, so a reader that dies frees its version by itself.
         self._holds: dict[tuple[int, str], float] = {}
 
-    async def attach_ingress(self, app_name: str | None, deployment_name: str | None = None) -> None:
+    async def attach_ingress(self, app_name: str | None, deployment_name: str | None = None, run: str = "",
+                             token: str | None = None) -> None:
         """Attach the app's ingress (`serve.get_app_handle(app_name)`, or the named deployment of that
-        app), or detach with None."""
+        app), or detach with None. On a fleet, `run` and its `token` go with every load and expiry: the
+        versions are the run's (`RUN/policy-vN`), and only its token may change them."""
         if app_name is None:
             self._ingress = self._ingress_args = None
             return
         from ray import serve
 
-        self._ingress_args = (app_name, deployment_name)
+        self._run_kwargs = {"run": run, "token": token} if run else {}
+        self._ingress_args = (app_name, deployment_name, run, token)
         self._ingress = (serve.get_deployment_handle(deployment_name, app_name) if deployment_name
                          else serve.get_app_handle(app_name))
 
@@ -75,7 +79,7 @@ class AdapterRegistry:
             t1 = time.perf_counter()
 
             async def load():
-                return await self._ingress.load_adapter.remote(version)
+                return await self._ingress.load_adapter.remote(version, **self._run_kwargs)
 
             async def fresh_handle(retry: int, error: BaseException) -> None:
                 nonlocal retries
@@ -177,7 +181,7 @@ class AdapterRegistry:
         the adapter slots they hold free up now rather than when 1,000-token completions end. Off the
         publish path; best effort (missed, they finish and are dropped as stale)."""
         try:
-            out = await self._ingress.expire.remote(versions)
+            out = await self._ingress.expire.remote(versions, **self._run_kwargs)
             self.expired_aborts += int(out.get("aborted", 0))
         except Exception as e:  # the ingress is being replaced: nothing is lost but the early abort
             self.expire_errors += 1
@@ -211,7 +215,8 @@ def pick_version(live: list[int], want: int | None) -> int | None:
     return older[-1] if older else live[-1]
 
 
-def get_or_create_registry(keep: int = 3, **options):
-    """The named registry; `options` (e.g. placement.on_driver_node()) apply when it is created here."""
-    return AdapterRegistry.options(name=REGISTRY_NAME, namespace=NAMESPACE, get_if_exists=True,
+def get_or_create_registry(keep: int = 3, namespace: str = NAMESPACE, **options):
+    """The named registry (in `namespace`: a fleet run's is `common.names.run_namespace(run)`); `options`
+    (e.g. placement.on_driver_node()) apply when it is created here."""
+    return AdapterRegistry.options(name=REGISTRY_NAME, namespace=namespace, get_if_exists=True,
                                    **options).remote(keep)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 POLICY_PREFIX = "policy-v"
 POLICY_LATEST = "policy-latest"
 _POLICY_RE = re.compile(r"^policy-v(\d+)$")
+# A run attached to a fleet serves its adapters as `RUN/policy-vN`; a standalone run is the fleet's run "".
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def policy_name(version: int) -> str:
@@ -20,6 +22,40 @@ def parse_policy_name(name: str) -> int | None:
     """`policy-v7` -> 7; anything else -> None."""
     m = _POLICY_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def check_run_name(run: str) -> str:
+    """A fleet run's name: letters, digits, `_ . -`, at most 64, starting with a letter or digit ("" is
+    the standalone run). Raises ValueError naming the rule."""
+    if run != "" and not (isinstance(run, str) and RUN_NAME.fullmatch(run)):
+        raise ValueError(f"run name {run!r}: use letters, digits, '_', '.', '-' (at most 64, starting with a "
+                         "letter or digit)")
+    return run
+
+
+def adapter_name(version: int, run: str = "") -> str:
+    """Serving name of a run's version: `policy-vN` for the standalone run, `RUN/policy-vN` on a fleet."""
+    return f"{run}/{policy_name(version)}" if run else policy_name(version)
+
+
+def latest_name(run: str = "") -> str:
+    """The alias of a run's newest live version: `policy-latest` or `RUN/policy-latest`."""
+    return f"{run}/{POLICY_LATEST}" if run else POLICY_LATEST
+
+
+def split_run(name: str) -> tuple[str, str]:
+    """`RUN/rest` -> (RUN, rest); a name without a run prefix -> ("", name). The run part is not checked."""
+    run, sep, rest = name.partition("/")
+    return (run, rest) if sep else ("", name)
+
+
+def parse_adapter_name(name: str) -> tuple[str, int] | None:
+    """`policy-v7` -> ("", 7), `exp-a/policy-v7` -> ("exp-a", 7); anything else -> None."""
+    run, rest = split_run(name)
+    if run and not RUN_NAME.fullmatch(run):
+        return None
+    version = parse_policy_name(rest)
+    return None if version is None else (run, version)
 
 
 def lora_int_id(version: int) -> int:

@@ -34,7 +34,10 @@ def router_config(cfg: Config) -> RequestRouterConfig | None:
     return RequestRouterConfig(request_router_class="serve_deployments.request_router:PolicyRouter")
 
 
-def build_app(cfg: Config, registry_name: str, registry_namespace: str) -> serve.Application:
+def build_app(cfg: Config, registry_name: str, registry_namespace: str, fleet: str | None = None,
+              admin_token: str | None = None) -> serve.Application:
+    """The app: the ingress in front of rollout.replicas vLLM replicas. A fleet's (`fleet` NAME) serves every
+    attached run's adapters in `cfg.max_loras` slots per replica, and its admin token is the fleet's."""
     from serve_deployments.engine_config import engine_kwargs, replica_options, tool_parser_option
     from serve_deployments.replica import RolloutReplica
 
@@ -42,13 +45,16 @@ def build_app(cfg: Config, registry_name: str, registry_namespace: str) -> serve
     rrc = router_config(cfg)
     if rrc is not None:
         opts["request_router_config"] = rrc
-    replica = RolloutReplica.options(**opts).bind(engine_kwargs(cfg), registry_name, registry_namespace,
-                                                  cfg.max_loras, tool_parser=tool_parser_option(cfg))
-    token = cfg.rollout.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+    replica = RolloutReplica.options(**opts).bind(engine_kwargs(cfg), registry_name, registry_namespace, cfg.max_loras,
+                                                  tool_parser=tool_parser_option(cfg),
+                                                  **({"fleet": fleet} if fleet else {}))
+    token = admin_token or cfg.rollout.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
     ingress = Ingress.options(ray_actor_options={
         "num_cpus": 0.1, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}})
+    fleet_kwargs = {"fleet": fleet, "fleet_seqs": cfg.rollout.replicas * cfg.rollout.max_num_seqs} if fleet else {}
     return ingress.bind(replica, str(cfg.model.path), cfg.rollout.replicas, registry_name, registry_namespace, token,
-                        routing_options(cfg), max_inflight_per_replica(cfg), cfg.rollout.max_body_bytes)
+                        routing_options(cfg), max_inflight_per_replica(cfg), cfg.rollout.max_body_bytes,
+                        **fleet_kwargs)
 
 
 def max_inflight_per_replica(cfg: Config) -> int:

@@ -7,6 +7,8 @@ Model names (`model` of a REST request; the ingress pins it to the exact version
   policy-vN the base weights;
 - `policy-vN` -> N, if N is live;
 - `policy-latest` -> the newest live version; 404 while none is live;
+- on a fleet, `RUN/policy-vN` and `RUN/policy-latest` mean the same for run RUN's versions (`model_run`
+  picks the run, whose live versions the caller then passes);
 - not a string, or not shaped like an id (paths, traversal, control characters, over 128 characters)
   -> 400, and the name is never echoed; any other id -> 404 naming what is served.
 "Live" is the caller's list of versions new requests may use, oldest first. The ingress passes the
@@ -21,7 +23,7 @@ import os
 import re
 
 from common.names import BASE_NAME
-from common.types import POLICY_LATEST, parse_policy_name, policy_name
+from common.types import POLICY_LATEST, RUN_NAME, adapter_name, latest_name, parse_policy_name, split_run
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -43,13 +45,37 @@ def base_id(model_path: str) -> str:
     return os.path.basename(str(model_path).rstrip("/")) or BASE_NAME
 
 
-def served_name(version: int) -> str:
-    """The public id of what served a request: `policy-vN` (also when policy-latest was asked), or `base`."""
-    return policy_name(version) if version > 0 else BASE_NAME
+def served_name(version: int, run: str = "") -> str:
+    """The public id of what served a request: `policy-vN` / `RUN/policy-vN` (also when a `latest` alias was
+    asked), or `base`."""
+    return adapter_name(version, run) if version > 0 else BASE_NAME
 
 
-def resolve_model(model, live: list[int], base_version: int, model_path: str) -> int:
-    """The exact version a REST `model` names (module docstring); raises ModelNameError."""
+def model_run(model) -> str:
+    """The run a REST `model` names: `RUN` of `RUN/...` when RUN is shaped like a run name, else "" (the
+    standalone run, or a fleet's base model; resolve_model refuses what is not an id)."""
+    if not isinstance(model, str) or "/" not in model:
+        return ""
+    run, _ = split_run(model)
+    return run if RUN_NAME.fullmatch(run) else ""
+
+
+def resolve_model(model, live: list[int], base_version: int, model_path: str, run: str = "") -> int:
+    """The exact version a REST `model` names (module docstring), among run `run`'s `live` versions; raises
+    ModelNameError."""
+    if run:
+        if not isinstance(model, str) or model_run(model) != run:
+            raise ModelNameError(400, f"model must name run {run}'s versions")
+        rest = split_run(model)[1]
+        if rest == POLICY_LATEST:
+            if not live:
+                raise ModelNameError(404, f"{latest_name(run)}: no policy version of run {run} is live yet")
+            return live[-1]
+        v = parse_policy_name(rest) if MODEL_ID.fullmatch(rest) else None
+        if v is None or v not in live:
+            raise ModelNameError(404, f"model {model!r} does not exist; run {run} serves: "
+                                      f"{', '.join(served_names(live, model_path, run)) or 'nothing yet'}")
+        return v
     if model in (None, "", BASE_NAME, base_id(model_path)):
         return base_version
     if not isinstance(model, str):
@@ -68,20 +94,24 @@ def resolve_model(model, live: list[int], base_version: int, model_path: str) ->
     return v
 
 
-def resolve_version(version: int | None, live: list[int], base_version: int) -> int:
+def resolve_version(version: int | None, live: list[int], base_version: int, run: str = "") -> int:
     """The exact version a handle call's `version` names: None = the newest live version, the base weights'
-    version while none is live; else it must be live or the base weights' version. Raises ModelNameError."""
+    version while none is live; else it must be live or the base weights' version. Raises ModelNameError.
+    A fleet run's version 0 is the fleet's base model, as for a standalone run before its first publish."""
     if version is None:
         return live[-1] if live else base_version
     if version == base_version or version in live:
         return version
-    raise ModelNameError(404, f"{served_name(version)} is not live (live: {[policy_name(v) for v in live]})")
+    raise ModelNameError(404, f"{served_name(version, run)} is not live "
+                              f"(live: {[adapter_name(v, run) for v in live]})")
 
 
-def served_names(live: list[int], model_path: str) -> list[str]:
-    """Every name a request may use, in the order GET /v1/models lists them."""
-    names = [base_id(model_path), BASE_NAME] + [policy_name(v) for v in live] + ([POLICY_LATEST] if live else [])
-    return list(dict.fromkeys(names))
+def served_names(live: list[int], model_path: str, run: str = "") -> list[str]:
+    """Every name a request may use, in the order GET /v1/models lists them (a fleet run: its own only)."""
+    own = [adapter_name(v, run) for v in live] + ([latest_name(run)] if live else [])
+    if run:
+        return own
+    return list(dict.fromkeys([base_id(model_path), BASE_NAME] + own))
 
 
 def openai_type(status: int) -> str:

@@ -26,31 +26,32 @@ from fastapi.responses import Response, StreamingResponse
 
 from common.faults import short_error
 from common.names import BASE_NAME
-from common.types import POLICY_LATEST, policy_name
+from common.types import adapter_name, latest_name
 from serve_deployments.admission import RETRY_AFTER_S, Admission
-from serve_deployments.openai_api import CHAT, base_id, openai_type, served_name
+from serve_deployments.openai_api import CHAT, base_id, model_run, openai_type, served_name
 from serve_deployments.openai_body import APIError, error_body, json_response, read_body
 from serve_deployments.openai_requests import RequestChecker
 from serve_deployments.replica_calls import ReplicaCall
 from serve_deployments.replica_pool import ReplicaPool
-from serve_deployments.served_versions import ServedVersions
+from serve_deployments.served_versions import RunVersions, ServedVersions, UnknownRunError
 
 logger = logging.getLogger("ray.serve")
 
 
 class OpenAIFront:
-    def __init__(self, pool: ReplicaPool, versions: ServedVersions, admission: Admission,
+    def __init__(self, pool: ReplicaPool, runs: RunVersions, admission: Admission,
                  checker: RequestChecker, max_body_bytes: int):
         self._pool = pool
-        self._versions = versions
+        self._runs = RunVersions.of(runs)
         self._admission = admission
         self._checker = checker
         self._max_body = int(max_body_bytes)
 
     async def models(self) -> Response:
         """GET /v1/models: the base model (its directory's name, then `base`), every live version and
-        `policy-latest` while one is live."""
-        info, live = await self._pool.engine_info(), await self._versions.live()
+        `policy-latest` while one is live; on a fleet, every attached run's too (`RUN/policy-vN`)."""
+        info = await self._pool.engine_info()
+        live = {run: await self._runs.get(run).live() for run in self._runs.runs()}
         now = int(time.time())
 
         def card(model_id: str, parent: str | None = None) -> dict:
@@ -59,9 +60,10 @@ class OpenAIFront:
 
         base = base_id(info["model"])
         data = [card(base)] + ([card(BASE_NAME)] if base != BASE_NAME else [])
-        data += [card(policy_name(v), base) for v in live]
-        if live:
-            data.append(card(POLICY_LATEST, base))
+        for run, versions in live.items():
+            data += [card(adapter_name(v, run), base) for v in versions]
+            if versions:
+                data.append(card(latest_name(run), base))
         return json_response({"object": "list", "data": data})
 
     async def complete(self, request: Request, path: str) -> Response:
@@ -71,9 +73,14 @@ class OpenAIFront:
         try:
             body = await read_body(request, self._max_body)
             engine = await self._pool.engine_info()
-            checked = self._checker.check(body, path == CHAT, live=await self._versions.live(),
-                                          base_version=self._versions.merged_version, engine=engine)
-            key = await self._pool.route_key(checked.prompt_ids, checked.version, self._versions.merged_version)
+            run = model_run(body.get("model"))
+            try:
+                versions = self._runs.get(run)
+            except UnknownRunError as e:
+                raise APIError(404, e.message, "not_found_error", "model") from None
+            checked = self._checker.check(body, path == CHAT, live=await versions.live(),
+                                          base_version=versions.merged_version, engine=engine, run=run)
+            key = await self._pool.route_key(checked.prompt_ids, checked.version, versions.merged_version, run)
             if self._admission.full(checked.weight):
                 raise self._admission.overloaded()
         except APIError as e:
@@ -82,7 +89,7 @@ class OpenAIFront:
         release = self._admission.take(checked.weight)
         if body.get("stream"):
             try:
-                return await self._stream(path, body, key, checked.version, release)
+                return await self._stream(path, body, key, checked.version, release, versions)
             except BaseException:
                 release()
                 raise
@@ -92,9 +99,9 @@ class OpenAIFront:
             return self._replica_failure(path, e).response()
         finally:
             release()
-        return await self._answer(out, checked.version)
+        return await self._answer(out, checked.version, versions)
 
-    async def _answer(self, out: dict, version: int) -> Response:
+    async def _answer(self, out: dict, version: int, versions: ServedVersions) -> Response:
         err = out.get("error") if isinstance(out, dict) else None
         if isinstance(err, dict):  # vLLM's or the replica's ErrorResponse, with its own status code
             response = error_response(out)
@@ -103,12 +110,12 @@ class OpenAIFront:
             return response
         served = int(out.get("version", version))
         sha = out.pop("sha256", None)
-        expected = await self._versions.sha(served)
+        expected = await versions.sha(served)
         if served != version or (expected is not None and sha != expected):
             self._admission.counts["version_mismatches"] += 1
             logger.error("served-version mismatch: asked %s, replica %s served %s (sha %s)",
-                         version, out.get("replica_id"), served, sha)
-        return json_response(out, headers=version_headers(served, sha))
+                         versions.name(version), out.get("replica_id"), served, sha)
+        return json_response(out, headers=version_headers(served, sha, versions.run))
 
     @staticmethod
     def _replica_failure(path: str, e: BaseException) -> APIError:
@@ -122,7 +129,7 @@ class OpenAIFront:
                         headers={"Retry-After": str(RETRY_AFTER_S)})
 
     async def _stream(self, path: str, body: dict, key: dict | None, version: int,
-                      release: Callable[[], None]) -> Response:
+                      release: Callable[[], None], versions: ServedVersions) -> Response:
         """SSE relay (module docstring)."""
         call = self._pool.stream("openai_stream", key)
         gen = None
@@ -142,16 +149,16 @@ class OpenAIFront:
         # Headers leave before the replica's last chunk: the digest is the registry's for the
         # version this request was pinned to (every chunk's `model` names that version).
         try:
-            headers = version_headers(version, await self._versions.sha(version))
+            headers = version_headers(version, await versions.sha(version), versions.run)
         except BaseException:
             await _end_stream(call, gen, release)
             raise
         return StreamingResponse(_relay(first, gen, call, release), media_type="text/event-stream", headers=headers)
 
 
-def version_headers(version: int, sha: str | None) -> dict:
+def version_headers(version: int, sha: str | None, run: str = "") -> dict:
     """The served-version proof headers of a response."""
-    headers = {"x-policy-version": str(version), "x-served-model": served_name(version)}
+    headers = {"x-policy-version": str(version), "x-served-model": served_name(version, run)}
     if sha:
         headers["x-adapter-sha256"] = sha
     return headers

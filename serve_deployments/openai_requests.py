@@ -49,16 +49,16 @@ class RequestChecker:
         self._max_token_chars = max(1, max((len(t) for t in tokenizer.get_vocab()), default=1))
         self._max_inflight = max_inflight
 
-    def check(self, body: dict, chat: bool, *, live: list[int], base_version: int, engine: dict
-              ) -> CheckedRequest:
+    def check(self, body: dict, chat: bool, *, live: list[int], base_version: int, engine: dict,
+              run: str = "") -> CheckedRequest:
         """Check `body` (a completion, or a chat completion if `chat`) for an engine of `engine_info`
-        facts, with `live` versions offered and the base weights at `base_version`; sets `body["model"]`
-        to the exact version's public id. Raises APIError."""
+        facts, with run `run`'s `live` versions offered and the base weights at `base_version`; sets
+        `body["model"]` to the exact version's public id. Raises APIError."""
         try:
-            version = resolve_model(body.get("model"), live, base_version, engine["model"])
+            version = resolve_model(body.get("model"), live, base_version, engine["model"], run)
         except ModelNameError as e:
             raise APIError(e.status, e.message, openai_type(e.status), "model") from None
-        body["model"] = served_name(version)
+        body["model"] = served_name(version, run)
         if not isinstance(body.get("stream", False), (bool, type(None))):
             raise APIError(400, f"stream must be a boolean, got {_show(body['stream'])}", param="stream")
         limit = engine["max_model_len"]

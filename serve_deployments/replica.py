@@ -10,6 +10,18 @@ Protocol (docs/ARCHITECTURE.md, "Versions and staleness" and "Serving"), this re
 - Merge mode: `update_weights(N)` reloads full weights in place; the base model then IS policy-vN and
   older versions fail clearly.
 
+Runs (docs/FLEET.md): an adapter is `(run, version)`. The standalone service is the run "", whose registry
+is the constructor's, and every call without a run means what it always meant. On a fleet (`fleet=NAME`)
+the replica serves several runs' adapters side by side, named `RUN/policy-vN`:
+- each run's registry is its own (`REGISTRY_NAME` in `run_namespace(RUN)`), looked up when first needed and
+  looked up again after a failed call (a run that ended takes its registry with it);
+- each run fills at most its quota of the adapter slots and evicts only its own versions (adapter_slots.py);
+  at start the replica asks the fleet's FleetState for the attached runs, sets their quotas and loads their
+  live versions; the run "" gets no slots on a fleet (the attached runs own them);
+- `forget_run(RUN)` (the run detached or its lease ran out) aborts its rollouts, unloads its adapters and
+  drops its quota, digests and registry handle, touching no other run's slot;
+- merge mode stays the run ""'s: a fleet run's version is never the base weights.
+
 The deployment composes separate objects: the engine (vLLM AsyncLLM), the adapter slots
 (adapter_slots.py) and the two weight transports (weight_transport.py: adapter vs merge mode), vLLM's
 own OpenAI serving classes, and the model-name rules it shares with the ingress (openai_api.py).
@@ -30,11 +42,19 @@ from pathlib import Path
 import ray
 from ray import serve
 
-from common.names import BASE_NAME
-from common.types import policy_name
-from serve_deployments.adapter_slots import AdapterSlots
+from common.names import BASE_NAME, NAMESPACE, REGISTRY_NAME, fleet_app, run_namespace
+from common.types import adapter_name, check_run_name, policy_name
+from serve_deployments.adapter_slots import AdapterKey, AdapterSlots
 from serve_deployments.adapter_store import BaseModelShapes, remove_dir, scratch_root
-from serve_deployments.openai_api import COMPLETIONS, ROUTES, ModelNameError, error_body, resolve_model, served_name
+from serve_deployments.openai_api import (
+    COMPLETIONS,
+    ROUTES,
+    ModelNameError,
+    error_body,
+    model_run,
+    resolve_model,
+    served_name,
+)
 from serve_deployments.weight_transport import AdapterTransport, MergedTransport, ReplicaError, payload_kind
 
 log = logging.getLogger("ray.serve")
@@ -52,13 +72,17 @@ class VersionExpiredError(ReplicaError):
     """A rollout request's version expired (the registry trimmed it: older than every live version, so
     older than max_staleness allows): its samples could only be dropped, so it is not generated."""
 
-    def __init__(self, version: int | str, status_code: int = 410):
+    def __init__(self, version: int | str, status_code: int = 410, run: str = ""):
         if isinstance(version, str):  # unpickled: the message itself
             super().__init__(version, status_code)
             return
-        super().__init__(f"{policy_name(version)} expired (older than every live version): its rollout "
+        super().__init__(f"{adapter_name(version, run)} expired (older than every live version): its rollout "
                          "samples would be dropped as too stale, so the request was not (or no longer) "
                          "generated", status_code)
+
+
+class _RegistryGone(ReplicaError):
+    """A run's registry cannot be found or called (the run ended, or never attached)."""
 
 
 # SamplingParams fields generate() passes through besides max_tokens/temperature/top_p/seed/logprobs.
@@ -107,8 +131,8 @@ def _has_cuda() -> bool:
 
 @serve.deployment
 class RolloutReplica:
-    async def __init__(self, engine: dict, registry_name: str, registry_namespace: str, max_loras: int,
-                       tool_parser: str | None = None):
+    async def __init__(self, engine: dict, registry_name: str | None, registry_namespace: str, max_loras: int,
+                       tool_parser: str | None = None, fleet: str | None = None):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -121,7 +145,13 @@ class RolloutReplica:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (unit use)
             self.replica_id = uuid.uuid4().hex[:8]
-        self._registry = ray.get_actor(registry_name, namespace=registry_namespace)
+        # Registry handles by run (module docstring). The run "": the constructor's; looked up now on a
+        # standalone replica (a missing registry fails the start, as it always did), lazily on a fleet.
+        self._fleet = fleet
+        self._registry_of_base = (registry_name, registry_namespace) if registry_name else None
+        self._registries: dict[str, object] = {}
+        if not fleet:
+            self._registry("")
         self._model = engine["model"]
         self._on_cpu = not _has_cuda()
         self._max_loras = max_loras
@@ -142,20 +172,25 @@ class RolloutReplica:
         self._load_lock = asyncio.Lock()  # one slot change at a time: choose victim, load, register
         self._open = asyncio.Event()  # cleared while merged weights are swapped in
         self._open.set()
-        self._draining: set[int] = set()  # versions being unloaded: refuse new requests
-        self._expired: set[int] = set()  # versions the registry trimmed: rollout requests refused/aborted
-        self._droppable: dict[int, set] = {}  # version -> running rollout requests (drop_if_expired)
+        self._draining: set[AdapterKey] = set()  # adapters being unloaded: refuse new requests
+        self._leaving: set[str] = set()  # runs being forgotten: refuse new requests and loads
+        self._expired: set[AdapterKey] = set()  # versions the registry trimmed: rollout requests refused/aborted
+        self._droppable: dict[AdapterKey, set] = {}  # adapter -> running rollout requests (drop_if_expired)
         self.aborted_expired = 0
-        self.rejected: dict[int, str] = {}  # live versions whose payload failed verification at start
+        self.rejected: dict[AdapterKey, str] = {}  # live versions whose payload failed verification at start
         self._init_openai()
         # The weight transports (sync.mode adapter / merge); the adapters' LoRA requests live in vLLM's
         # OpenAI model registry, where its serving classes look names up.
         self._adapters = AdapterTransport(self.engine, self._slots, self._shapes, self._scratch, self._max_rank,
                                           requests=self._models.lora_requests)
         self._merged = MergedTransport(self.engine, self._shapes, self._scratch)
-        await self._load_live_versions()
-        log.info("replica %s ready in %.1fs (engine %.1fs), versions %s, block size %d", self.replica_id,
-                 time.perf_counter() - t0, self.engine_start_s, self._slots.versions(), self.block_size)
+        if fleet:
+            await self._join_fleet()
+        else:
+            await self._load_live("")
+        log.info("replica %s ready in %.1fs (engine %.1fs), adapters %s, block size %d", self.replica_id,
+                 time.perf_counter() - t0, self.engine_start_s, [k.name for k in self._slots.keys()],
+                 self.block_size)
 
     @property
     def _base_version(self) -> int:
@@ -188,105 +223,249 @@ class RolloutReplica:
         self._completion = OpenAIServingCompletion(self.engine, self._models, online_renderer=renderer,
                                                    request_logger=None)
 
-    async def _load_live_versions(self):
-        """Start/restart: serve every live version before taking traffic (newest first if they
-        outnumber the slots; merged payloads set the base weights instead)."""
-        live = sorted(await self._registry.live_versions.remote())
-        metas = {v: (await self._registry.get.remote(v))["meta"] for v in live}
-        merged = [v for v in live if payload_kind(metas[v]) == "merged"]
-        if merged:
-            await self.update_weights(max(merged))
-        adapters = [v for v in live if payload_kind(metas[v]) == "adapter" and v > self._base_version]
-        for v in adapters[-self._max_loras:]:
+    # ------------------------------------------------------------------ runs and their registries
+
+    def _registry(self, run: str):
+        """Run `run`'s AdapterRegistry handle (cached); _RegistryGone when it cannot be found."""
+        handle = self._registries.get(run)
+        if handle is not None:
+            return handle
+        if run:
+            name, namespace = REGISTRY_NAME, run_namespace(run)
+        elif self._registry_of_base is not None:
+            name, namespace = self._registry_of_base
+        else:
+            raise _RegistryGone("this fleet replica serves no standalone versions (no registry for them)", 404)
+        try:
+            handle = ray.get_actor(name, namespace=namespace)
+        except ValueError as e:
+            who = f"run {run}" if run else "this replica"
+            raise _RegistryGone(f"{who} has no adapter registry ({name} in namespace {namespace}): "
+                                f"{'the run ended or never attached' if run else _root_message(e)}", 404) from e
+        self._registries[run] = handle
+        return handle
+
+    async def _registry_call(self, run: str, method: str, *args):
+        """`registry.method(*args)` of run `run`'s registry; a failed call drops the cached handle (the
+        registry may be a new one, or gone with its run) and raises."""
+        handle = self._registry(run)
+        try:
+            return await getattr(handle, method).remote(*args)
+        except Exception:
+            if self._registries.get(run) is handle:
+                del self._registries[run]
+            raise
+
+    async def _live(self, run: str) -> list[int]:
+        """Run `run`'s live versions, oldest first. _RegistryGone when its registry is gone; none for the run ""
+        of a fleet replica without a registry of its own."""
+        try:
+            return sorted(await self._registry_call(run, "live_versions"))
+        except _RegistryGone:
+            if run or not self._fleet:
+                raise
+            return []
+        except Exception as e:
+            raise _RegistryGone(f"the adapter registry of {f'run {run}' if run else 'this replica'} failed: "
+                                f"{_root_message(e)}", 404 if run else 503) from e
+
+    @staticmethod
+    def _check_run(run) -> str:
+        try:
+            return check_run_name(run or "")
+        except ValueError as e:
+            raise ReplicaError(str(e), 400) from None
+
+    async def _join_fleet(self) -> None:
+        """Fleet start: the attached runs' quotas and live versions, from the fleet's FleetState. A run whose
+        registry is gone is skipped (the fleet forgets it when its lease runs out)."""
+        self._slots.set_quota("", 0)  # the attached runs own the slots
+        try:
+            state = ray.get_actor(fleet_app(self._fleet), namespace=NAMESPACE)
+            runs = await state.runs.remote()
+        except Exception as e:
+            log.warning("replica %s: fleet %s has no state to read the runs from (%s); starting with none",
+                        self.replica_id, self._fleet, _root_message(e))
+            return
+        for run, info in sorted(runs.items()):
             try:
-                await self.load_adapter(v)
+                self._slots.set_quota(self._check_run(run), int(info["slots"]))
+                await self._load_live(run)
+            except Exception as e:  # its registry is gone, or its name or slots are bad: not this replica's to fix
+                log.warning("replica %s: fleet %s run %s skipped at start: %s", self.replica_id, self._fleet, run,
+                            _root_message(e))
+
+    async def _refresh_quota(self, run: str) -> None:
+        """A run with no quota here yet (it attached while this replica started, so the quota broadcast
+        missed it): read its slots from the FleetState."""
+        if not run or not self._fleet or run in self._slots.quotas():
+            return
+        try:
+            state = ray.get_actor(fleet_app(self._fleet), namespace=NAMESPACE)
+            info = (await state.runs.remote()).get(run)
+        except Exception as e:
+            log.warning("replica %s: quota of run %s: fleet state unreachable (%s)", self.replica_id, run,
+                        _root_message(e))
+            return
+        if info is not None:
+            self._slots.set_quota(run, int(info["slots"]))
+
+    async def _load_live(self, run: str) -> None:
+        """Start/restart: serve run `run`'s live versions before taking traffic (the newest its slots hold
+        if they outnumber them; merged payloads set the base weights instead, the run "" only)."""
+        live = await self._live(run)
+        metas = {v: (await self._registry_call(run, "get", v))["meta"] for v in live}
+        merged = [v for v in live if payload_kind(metas[v]) == "merged"]
+        if merged and not run:
+            await self.update_weights(max(merged))
+        adapters = [v for v in live if payload_kind(metas[v]) == "adapter" and (run or v > self._base_version)]
+        room = self._slots.quota(run)
+        for v in adapters[-room:] if room else []:
+            try:
+                await self.load_adapter(v, run)
             except ReplicaError as e:
                 if e.status_code != 422:
                     raise
                 # A payload no replica can serve must not keep this one from starting; requests
                 # for it fail with the same clear error.
-                self.rejected[v] = str(e)
+                self.rejected[AdapterKey(run, v)] = str(e)
                 log.error("replica %s: live %s", self.replica_id, e)
+
+    async def set_quota(self, run: str, slots: int) -> dict:
+        """How many adapter slots run `run` may fill on this replica (the ingress broadcasts it when a run
+        attaches). Nothing is evicted at once (adapter_slots.py)."""
+        run = self._check_run(run)
+        try:
+            self._slots.set_quota(run, int(slots))
+        except ValueError as e:
+            raise ReplicaError(str(e), 400) from None
+        return {"run": run, "slots": int(slots), "versions": self._slots.versions(run), "replica_id": self.replica_id}
+
+    async def forget_run(self, run: str, timeout_s: float = 30.0) -> dict:
+        """Run `run` left the fleet: abort its rollout requests (as `expire`), wait up to `timeout_s` for its
+        other requests, unload every adapter of it and drop its quota, digests and registry handle. Still
+        busy after the wait: ReplicaError 409 and nothing is unloaded (the caller tries again). No other
+        run's slot is touched. Returns {"run", "unloaded": [versions], "aborted": n}."""
+        run = self._check_run(run)
+        if not run:
+            raise ReplicaError("the standalone run cannot be forgotten; unload its versions instead", 400)
+        self._leaving.add(run)
+        try:
+            aborted = await self.expire(sorted({k.version for k in self._droppable if k.run == run}), run)
+            deadline = time.monotonic() + timeout_s
+            unloaded = None
+            while unloaded is None:
+                while self._slots.ongoing(run):
+                    if time.monotonic() > deadline:
+                        busy = {k.name: n for k, n in self._slots.inflight.items() if k.run == run}
+                        raise ReplicaError(f"forget run {run}: requests still in flight after {timeout_s:.0f}s "
+                                           f"{busy}; nothing unloaded", 409)
+                    await asyncio.sleep(0.01)
+                async with self._load_lock:
+                    # A request whose on-demand load this lock waited for may have taken its slot meanwhile.
+                    if not self._slots.ongoing(run):
+                        unloaded = await self._adapters.forget(run)
+            self._registries.pop(run, None)
+            self._expired = {k for k in self._expired if k.run != run}
+            self.rejected = {k: m for k, m in self.rejected.items() if k.run != run}
+            return {"run": run, "unloaded": unloaded, "aborted": aborted, "replica_id": self.replica_id}
+        finally:
+            self._leaving.discard(run)
 
     # ------------------------------------------------------------------ adapters
 
-    async def load_adapter(self, version: int) -> dict:
-        """Fetch, verify, write and `add_lora` one version; idempotent. On a bad payload raises
-        ReplicaError and leaves every loaded version serving."""
-        version = int(version)
+    async def load_adapter(self, version: int, run: str = "") -> dict:
+        """Fetch, verify, write and `add_lora` run `run`'s version; idempotent. On a bad payload raises
+        ReplicaError and leaves every loaded adapter serving."""
+        version, run = int(version), self._check_run(run)
         if version < 1:
             raise ReplicaError(f"policy versions start at 1, got {version}")
-        if self._slots.is_loaded(version):
-            return {"version": version, "loaded": True, "already": True, "replica_id": self.replica_id}
+        if run in self._leaving:
+            raise ReplicaError(f"run {run} is leaving this fleet: {adapter_name(version, run)} is not loaded", 410)
+        already = {"version": version, "run": run, "name": adapter_name(version, run), "loaded": True,
+                   "already": True, "replica_id": self.replica_id}
+        if self._slots.is_loaded(version, run):
+            return already
         async with self._load_lock:
-            if self._slots.is_loaded(version):
-                return {"version": version, "loaded": True, "already": True, "replica_id": self.replica_id}
-            return await self._load_locked(version)
+            if self._slots.is_loaded(version, run):
+                return already
+            return await self._load_locked(version, run)
 
-    async def _load_locked(self, version: int) -> dict:
-        if self._base_version and version <= self._base_version:
-            raise ReplicaError(f"{policy_name(version)} predates the merged weights of "
+    async def _load_locked(self, version: int, run: str) -> dict:
+        name = adapter_name(version, run)
+        if not run and self._base_version and version <= self._base_version:
+            raise ReplicaError(f"{name} predates the merged weights of "
                                f"{policy_name(self._base_version)} this replica serves as its base model", 410)
         t0 = time.perf_counter()
-        tensors, meta = await self._fetch(version)
-        out = await self._adapters.load(version, tensors, meta)
-        return {"version": version, "loaded": True, "already": False, "replica_id": self.replica_id,
-                "evicted": out["evicted"], "seconds": time.perf_counter() - t0, "add_lora_ms": out["add_lora_ms"]}
+        await self._refresh_quota(run)
+        tensors, meta = await self._fetch(version, run)
+        if run and payload_kind(meta) == "merged":
+            raise ReplicaError(f"{name} rejected: merged weights cannot be served on a fleet (they would replace "
+                               "the base model every run shares)", 422)
+        out = await self._adapters.load(version, tensors, meta, run)
+        return {"version": version, "run": run, "name": name, "loaded": True, "already": False,
+                "replica_id": self.replica_id, "evicted": out["evicted"], "seconds": time.perf_counter() - t0,
+                "add_lora_ms": out["add_lora_ms"]}
 
-    async def _fetch(self, version: int) -> tuple[dict, dict]:
+    async def _fetch(self, version: int, run: str = "") -> tuple[dict, dict]:
         try:
-            entry = await self._registry.get.remote(version)
+            entry = await self._registry_call(run, "get", version)
         except Exception as e:
-            raise ReplicaError(f"{policy_name(version)} is not loaded here and the registry does not hold it "
-                               f"({_root_message(e)})", 404) from e
+            raise ReplicaError(f"{adapter_name(version, run)} is not loaded here and the registry does not hold "
+                               f"it ({_root_message(e)})", 404) from e
         tensors = await entry["ref"][0]
         return tensors, entry["meta"]
 
-    async def unload_adapter(self, version: int, timeout_s: float = 600.0) -> bool:
-        """Drop a version: new requests for it are refused at once, in-flight ones finish first.
+    async def unload_adapter(self, version: int, run: str = "", timeout_s: float = 600.0) -> bool:
+        """Drop run `run`'s version: new requests for it are refused at once, in-flight ones finish first.
         False if it was not loaded."""
-        version = int(version)
-        if not self._slots.is_loaded(version):
+        version, run = int(version), self._check_run(run)
+        if not self._slots.is_loaded(version, run):
             return False
-        self._draining.add(version)
+        key = AdapterKey(run, version)
+        self._draining.add(key)
         try:
             deadline = time.monotonic() + timeout_s
-            while self._slots.inflight[version]:
+            while self._slots.inflight_of(version, run):
                 if time.monotonic() > deadline:
-                    raise ReplicaError(f"unload {policy_name(version)}: {self._slots.inflight[version]} requests "
+                    raise ReplicaError(f"unload {key.name}: {self._slots.inflight_of(version, run)} requests "
                                        f"still in flight after {timeout_s:.0f}s", 409)
                 await asyncio.sleep(0.01)
             async with self._load_lock:
-                if not self._slots.is_loaded(version):
+                if not self._slots.is_loaded(version, run):
                     return False
-                await self._adapters.evict(version)
+                await self._adapters.evict(version, run)
                 return True
         finally:
-            self._draining.discard(version)
+            self._draining.discard(key)
 
     @asynccontextmanager
-    async def _hold(self, version: int):
-        """Admit one request on `version`: wait out a weight swap, load on demand, hold the slot."""
+    async def _hold(self, version: int, run: str = ""):
+        """Admit one request on run `run`'s `version`: wait out a weight swap, load on demand, hold the slot.
+        Version 0 is the base model; a fleet run's too while the base weights are the original ones."""
         await self._open.wait()
-        if version == self._base_version:
+        if run in self._leaving:
+            raise ReplicaError(f"run {run} is leaving this fleet: {_vname(version, run)} is no longer served", 410)
+        if version == self._base_version and (not run or version == 0):  # a fleet run's version is never merged
             lora = None
-        elif version == 0 or version < self._base_version:
-            raise ReplicaError(f"{_vname(version)} is no longer served: this replica's base weights are merged "
-                               f"{policy_name(self._base_version)}", 410)
+        elif version == 0 or (not run and version < self._base_version):
+            raise ReplicaError(f"{_vname(version, run)} is no longer served: this replica's base weights are "
+                               f"merged {policy_name(self._base_version)}", 410)
         else:
-            if version in self._draining:
-                raise ReplicaError(f"{policy_name(version)} is being unloaded from this replica", 410)
-            if not self._slots.is_loaded(version):
-                await self.load_adapter(version)
+            key = AdapterKey(run, version)
+            if key in self._draining:
+                raise ReplicaError(f"{key.name} is being unloaded from this replica", 410)
+            if not self._slots.is_loaded(version, run):
+                await self.load_adapter(version, run)
             # No await between the check above and acquire: eviction cannot slip in.
-            if not self._slots.is_loaded(version):
-                raise ReplicaError(f"{policy_name(version)} was evicted while loading; retry", 503)
-            lora = self._adapters.request(version)
-        self._slots.acquire(version)
+            if not self._slots.is_loaded(version, run):
+                raise ReplicaError(f"{key.name} was evicted while loading; retry", 503)
+            lora = self._adapters.request(version, run)
+        self._slots.acquire(version, run)
         try:
             yield lora
         finally:
-            self._slots.release(version)
+            self._slots.release(version, run)
 
     # ------------------------------------------------------------------ generation
 
@@ -307,11 +486,13 @@ class RolloutReplica:
 
         `req["drop_if_expired"]` (the rollout workers set it): when the version expires while this
         request runs (`expire`), the request is aborted in the engine and VersionExpiredError raised; its
-        samples could only be dropped as too stale to train on."""
+        samples could only be dropped as too stale to train on. `req["run"]`: the fleet run whose version it
+        is ("" or absent: the standalone run)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        version = int(req.get("version", 0))
+        version, run = int(req.get("version", 0)), self._check_run(req.get("run", ""))
+        key = AdapterKey(run, version)
         s = dict(req.get("sampling") or {})
         self._check_seed(s.get("seed"))
         extra = {k: s[k] for k in _SAMPLING_EXTRA if k in s}
@@ -324,32 +505,35 @@ class RolloutReplica:
         # Callers may reuse an id (retries, G samples of one prompt); vLLM requires unique ones.
         request_id = f"{req.get('request_id') or 'gen'}-{uuid.uuid4().hex[:12]}"
         droppable = bool(req.get("drop_if_expired"))
-        if droppable and version in self._expired:
-            raise VersionExpiredError(version)
-        async with self._hold(version) as lora:
-            run = asyncio.ensure_future(self._final_output(prompt_ids, params, request_id, lora))
+        if droppable and key in self._expired:
+            raise VersionExpiredError(version, run=run)
+        async with self._hold(version, run) as lora:
+            task = asyncio.ensure_future(self._final_output(prompt_ids, params, request_id, lora))
             if droppable:
-                self._droppable.setdefault(version, set()).add(run)
+                self._droppable.setdefault(key, set()).add(task)
             try:
-                final = await asyncio.shield(run)
+                final = await asyncio.shield(task)
             except (asyncio.CancelledError, _RunCancelled):
                 if asyncio.current_task().cancelling():
                     # The caller went away: vLLM aborts the request when its generator is cancelled.
-                    run.cancel()
-                    run.add_done_callback(_retrieve)
+                    task.cancel()
+                    task.add_done_callback(_retrieve)
                     raise
-                raise VersionExpiredError(version) from None  # expire() cancelled the run
+                raise VersionExpiredError(version, run=run) from None  # expire() cancelled the run
             finally:
                 if droppable:
-                    self._droppable.get(version, set()).discard(run)
+                    tasks = self._droppable.get(key, set())
+                    tasks.discard(task)
+                    if not tasks:
+                        self._droppable.pop(key, None)
         if final is None or not final.outputs:
             raise ReplicaError(f"request {request_id} produced no output (aborted)", 503)
         c = final.outputs[0]
         logprobs = [float(lp[t].logprob) for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else []
         text = c.text if detokenize else self._decode(c.token_ids)
         return {"token_ids": list(c.token_ids), "logprobs": logprobs, "text": text,
-                "finish_reason": c.finish_reason, "version": version, "prompt_token_ids": prompt_ids,
-                "replica_id": self.replica_id, "sha256": self._served_sha(version),
+                "finish_reason": c.finish_reason, "version": version, "run": run, "prompt_token_ids": prompt_ids,
+                "replica_id": self.replica_id, "sha256": self._served_sha(version, run),
                 "cached_tokens": int(final.num_cached_tokens or 0)}
 
     async def _final_output(self, prompt_ids, params, request_id, lora):
@@ -366,26 +550,29 @@ class RolloutReplica:
         # What vLLM's detokenizer gives with its defaults (special tokens skipped).
         return self.engine.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    async def expire(self, versions: list[int]) -> int:
-        """The registry trimmed these versions (older than every live one): their rollout requests
+    async def expire(self, versions: list[int], run: str = "") -> int:
+        """Run `run`'s registry trimmed these versions (older than every live one): their rollout requests
         (`drop_if_expired`) are aborted and new ones refused; REST and eval requests finish as usual.
         Returns the number of requests aborted."""
+        run = self._check_run(run)
         n = 0
         for v in map(int, versions):
-            self._expired.add(v)
-            for run in list(self._droppable.pop(v, ())):
-                n += int(run.cancel())
+            key = AdapterKey(run, v)
+            self._expired.add(key)
+            for task in list(self._droppable.pop(key, ())):
+                n += int(task.cancel())
         self.aborted_expired += n
         return n
 
-    def _served_sha(self, version: int) -> str | None:
-        """sha256 of the payload behind `version` on this replica (None for the original base model)."""
-        if version == self._base_version:
+    def _served_sha(self, version: int, run: str = "") -> str | None:
+        """sha256 of the payload behind run `run`'s `version` on this replica (None for the original base model)."""
+        if not run and version == self._base_version:
             return self._merged.sha256
-        return self._slots.digest(version)  # fixed per version: a name never gets other weights
+        return self._slots.digest(version, run)  # fixed per adapter: a name never gets other weights
 
     async def _openai_call(self, path: str, body: dict):
-        """Validate with vLLM's request models and run vLLM's serving class; returns (version, result)."""
+        """Validate with vLLM's request models; returns (run, version, request). `RUN/policy-vN` names a fleet
+        run's version, resolved against that run's live versions."""
         from pydantic import ValidationError
 
         from serve_deployments.vllm_compat import openai_serving_classes
@@ -395,29 +582,31 @@ class RolloutReplica:
         if path not in ROUTES:
             raise ReplicaError(f"unknown route {path}; this replica serves {', '.join(ROUTES)}", 404)
         self._check_seed(body.get("seed"))
+        run = model_run(body.get("model"))
         try:  # the ingress sends exact names; aliases mean what they mean there (openai_api)
-            live = sorted(await self._registry.live_versions.remote())
-            version = resolve_model(body.get("model"), live, self._base_version, self._model)
+            live = await self._live(run)
+            version = resolve_model(body.get("model"), live, self._base_version, self._model, run)
         except ModelNameError as e:
             raise ReplicaError(e.message, e.status) from None
-        body = dict(body, model=BASE_NAME if version == self._base_version else policy_name(version))
+        base = not run and version == self._base_version
+        body = dict(body, model=BASE_NAME if base else adapter_name(version, run))
         try:
             request = (CompletionRequest if path == COMPLETIONS else ChatCompletionRequest).model_validate(body)
         except ValidationError as e:
             raise ReplicaError(str(e), 400) from e
-        return version, request
+        return run, version, request
 
     async def openai(self, path: str, body: dict) -> dict:
         """Non-streaming OpenAI completion / chat completion; errors come back as a dict."""
         try:
-            version, request = await self._openai_call(path, dict(body, stream=False))
-            async with self._hold(version):
+            run, version, request = await self._openai_call(path, dict(body, stream=False))
+            async with self._hold(version, run):
                 result = await self._create(path, request)
         except ReplicaError as e:
             return error_dict(str(e), e.status_code)
         except Exception as e:  # vLLM's own request errors (validation etc.) -> its status codes
             return _vllm_error(e)
-        return self._openai_result(result, version)
+        return self._openai_result(result, version, run)
 
     async def _create(self, path: str, request):
         """vLLM's serving class for the route: a response, an ErrorResponse, or a stream of SSE lines."""
@@ -425,15 +614,16 @@ class RolloutReplica:
             return await self._completion.create_completion(request)
         return await self._chat.create_chat_completion(request)
 
-    def _openai_result(self, result, version) -> dict:
+    def _openai_result(self, result, version: int, run: str = "") -> dict:
         from serve_deployments.vllm_compat import ErrorResponse
 
         if isinstance(result, ErrorResponse):
             return error_dict(result.error.message, result.error.code)
         out = result.model_dump(mode="json", exclude_none=True)
-        out["model"] = served_name(version)  # never a server path, never an alias
+        out["model"] = served_name(version, run)  # never a server path, never an alias
         out["version"] = version
-        out["sha256"] = self._served_sha(version)  # the ingress moves it to the x-adapter-sha256 header
+        out["run"] = run
+        out["sha256"] = self._served_sha(version, run)  # the ingress moves it to the x-adapter-sha256 header
         out["replica_id"] = self.replica_id
         return out
 
@@ -442,15 +632,15 @@ class RolloutReplica:
         import json
 
         try:
-            version, request = await self._openai_call(path, dict(body, stream=True))
+            run, version, request = await self._openai_call(path, dict(body, stream=True))
         except ReplicaError as e:
             yield f"data: {json.dumps(error_dict(str(e), e.status_code))}\n\n"
             return
         try:
-            async with self._hold(version):
+            async with self._hold(version, run):
                 result = await self._create(path, request)
                 if not hasattr(result, "__aiter__"):
-                    yield f"data: {json.dumps(self._openai_result(result, version))}\n\n"
+                    yield f"data: {json.dumps(self._openai_result(result, version, run))}\n\n"
                     return
                 async for chunk in result:
                     yield chunk
@@ -478,7 +668,7 @@ class RolloutReplica:
                 f"{policy_name(version)} is older than the merged {policy_name(self._base_version)}", 409
             )
         t0 = time.perf_counter()
-        meta = (await self._registry.get.remote(version))["meta"]
+        meta = (await self._registry_call("", "get", version))["meta"]
         if self._merged.holds(version, meta):
             # A tagged version (the trainer's weights did not move): the engine already holds them.
             self._merged.tag(version)
@@ -494,6 +684,7 @@ class RolloutReplica:
                     await asyncio.sleep(0.01)
                 await self._merged.swap(version, path, meta.get("sha256"))
                 # Adapters were deltas on the old base; reload_weights also dropped the runner's LoRA state.
+                # (Every run's: merge mode is a standalone service's, whose only run is "".)
                 await self._adapters.evict_all()
             finally:
                 self._open.set()
@@ -504,12 +695,23 @@ class RolloutReplica:
     # ------------------------------------------------------------------ introspection
 
     async def stats(self) -> dict:
-        return {"replica_id": self.replica_id, "ongoing": self._slots.ongoing(), "versions": self._slots.versions(),
-                "inflight_by_version": dict(self._slots.inflight), "prefix_cache_hits": self._prefix.hits,
+        """`versions`, `inflight_by_version`, `rejected`, `expired`: the run ""'s, by version (as before runs);
+        `adapters`, `inflight_by_adapter`, `rejected_adapters`: every run's, by adapter name; `quotas`: the
+        runs' slots (the run "" listed only when set: otherwise it has them all)."""
+        slots = self._slots
+        return {"replica_id": self.replica_id, "ongoing": slots.ongoing(), "versions": slots.versions(),
+                "inflight_by_version": {k.version: n for k, n in slots.inflight.items() if not k.run},
+                "adapters": sorted(k.name for k in slots.keys()),
+                "inflight_by_adapter": {k.name: n for k, n in slots.inflight.items()},
+                "quotas": slots.quotas(), "fleet": self._fleet,
+                "prefix_cache_hits": self._prefix.hits,
                 "prefix_cache_queries": self._prefix.queries, "block_size": self.block_size,
                 "base_version": self._base_version, "engine_start_s": self.engine_start_s,
-                "add_lora_ms": list(self._adapters.add_lora_ms[-16:]), "rejected": dict(self.rejected),
-                "expired": sorted(self._expired), "aborted_expired": self.aborted_expired, "pid": os.getpid()}
+                "add_lora_ms": list(self._adapters.add_lora_ms[-16:]),
+                "rejected": {k.version: m for k, m in self.rejected.items() if not k.run},
+                "rejected_adapters": {k.name: m for k, m in self.rejected.items()},
+                "expired": sorted(k.version for k in self._expired if not k.run),
+                "aborted_expired": self.aborted_expired, "pid": os.getpid()}
 
     async def engine_info(self) -> dict:
         return {"block_size": self.block_size, "max_model_len": self.max_model_len, "model": self._model,
@@ -539,8 +741,8 @@ def _vllm_error(e: Exception) -> dict:
     return error_dict(r.error.message, r.error.code)
 
 
-def _vname(version: int) -> str:
-    return "the base model (version 0)" if version == 0 else policy_name(version)
+def _vname(version: int, run: str = "") -> str:
+    return "the base model (version 0)" if version == 0 else adapter_name(version, run)
 
 
 def _root_message(e: Exception) -> str:

@@ -13,7 +13,7 @@ import asyncio
 
 from ray.serve.handle import DeploymentHandle
 
-from common.types import policy_name
+from common.types import adapter_name
 from serve_deployments import prefix_hash
 from serve_deployments.replica_calls import ReplicaCall, call_replica
 from serve_deployments.request_router import RouteTicket, RoutingPolicy
@@ -33,14 +33,15 @@ class ReplicaPool:
             self._engine = await call_replica(self._handle, "engine_info")
         return self._engine
 
-    async def route_key(self, token_ids: list[int], version: int, merged_version: int) -> dict | None:
-        """The prompt's route key under `version` (the base weights being `merged_version`'s), or None
-        under Serve's own request router."""
+    async def route_key(self, token_ids: list[int], version: int, merged_version: int, run: str = "") -> dict | None:
+        """The prompt's route key under run `run`'s `version` (the base weights being `merged_version`'s), or
+        None under Serve's own request router. The adapter's name seeds the hashes: two runs' versions never
+        share a prefix entry."""
         if self._policy is None:
             return None
         block_size = (await self.engine_info())["block_size"]
         if version > 0 and version != merged_version:
-            return prefix_hash.route_key(token_ids, block_size, policy_name(version))
+            return prefix_hash.route_key(token_ids, block_size, adapter_name(version, run))
         # Merged weights are new base weights: their blocks must not match the original base model's.
         return prefix_hash.route_key(token_ids, block_size, None, salt=f"merged-v{version}" if version else "")
 

@@ -11,6 +11,8 @@
 - `drop_if_expired`: the group fails with VersionExpiredError as soon as its version expires, and at once
   when it names a version already trimmed from the live window (a later turn of a long episode).
 - The samples count against the in-flight limit but are never refused by it (admission.py).
+- On a fleet, `run` names the attached run whose versions the group uses, and groups are admitted by
+  weighted fair queuing between the runs (fair_queue.py) before any sample starts.
 See docs/ARCHITECTURE.md, "Path of a sample" and "Faults".
 """
 from __future__ import annotations
@@ -20,30 +22,39 @@ import logging
 
 from common.faults import REPLICA_CALL, RetryPolicy, short_error
 from serve_deployments.admission import Admission
+from serve_deployments.fair_queue import FairQueue
 from serve_deployments.openai_api import ModelNameError, resolve_version, served_name
 from serve_deployments.replica import VersionExpiredError
 from serve_deployments.replica_pool import ReplicaPool
-from serve_deployments.served_versions import ServedVersions
+from serve_deployments.served_versions import RunVersions, UnknownRunError
 
 logger = logging.getLogger("ray.serve")
 
 
 class RolloutFront:
-    def __init__(self, pool: ReplicaPool, versions: ServedVersions, admission: Admission,
-                 retry: RetryPolicy = REPLICA_CALL):
+    def __init__(self, pool: ReplicaPool, runs: RunVersions, admission: Admission,
+                 retry: RetryPolicy = REPLICA_CALL, fair: FairQueue | None = None):
         self._pool = pool
-        self._versions = versions
+        self._runs = RunVersions.of(runs)
         self._admission = admission
         self._retry = retry
+        self._fair = fair  # a fleet's fair queue; None: groups start at once (a standalone run)
 
-    async def pin_version(self) -> int:
+    def _run(self, run: str):
+        try:
+            return self._runs.get(run)
+        except UnknownRunError as e:
+            raise ValueError(e.message) from None
+
+    async def pin_version(self, run: str = "") -> int:
         """The version `generate_group(version=None)` would pin now: an episode pins it once for all its
         turns."""
-        return resolve_version(None, await self._versions.live(), self._versions.merged_version)
+        versions = self._run(run)
+        return resolve_version(None, await versions.live(), versions.merged_version, run)
 
     async def generate_group(self, prompt_token_ids: list[int], n: int, version: int | None = None,
                              sampling: dict | None = None, drop_if_expired: bool = False,
-                             replica: str | None = None) -> list[dict]:
+                             replica: str | None = None, run: str = "") -> list[dict]:
         """n samples of one prompt (module docstring). Each result names its version, the sha256 of the
         adapter that produced it, its replica and the prompt tokens the engine found cached. `replica`:
         a multi-turn episode's session, the replica that served its previous turn (its KV cache holds the
@@ -55,31 +66,44 @@ class RolloutFront:
         limit = (await self._pool.engine_info())["max_model_len"]
         if not ids or len(ids) >= limit:
             raise ValueError(f"generate_group: prompt has {len(ids)} tokens; it must be 1..{limit - 1}")
-        live = await self._versions.live()
-        if drop_if_expired and version is not None and live and 0 < version < min(live):
-            # Trimmed from the live window while its rollout ran (a multi-turn episode's later turn): too
-            # stale to train on, so gone (410), and the worker starts the group over under the newest.
-            raise VersionExpiredError(version)
+        versions = self._run(run)
+        turn = None
+        if self._fair is not None:  # wait for the run's fair turn before pinning: the newest version then
+            turn = await self._fair.acquire(run, n, int((sampling or {}).get("max_tokens", 16)))
         try:
-            pinned = resolve_version(version, live, self._versions.merged_version)
-        except ModelNameError as e:
-            raise ValueError(e.message) from None
-        key = await self._pool.route_key(ids, pinned, self._versions.merged_version)
-        if replica is not None and key is not None:
-            key = dict(key, replica=str(replica))
-        req = {"prompt_token_ids": ids, "version": pinned, "sampling": dict(sampling or {}),
-               "drop_if_expired": bool(drop_if_expired)}
-        release = self._admission.take(n)
-        try:
-            return list(await asyncio.gather(*[self._sample(req, key) for _ in range(n)]))
+            live = await versions.live()
+            if drop_if_expired and version is not None and live and 0 < version < min(live):
+                # Trimmed from the live window while its rollout ran (a multi-turn episode's later turn): too
+                # stale to train on, so gone (410), and the worker starts the group over under the newest.
+                raise VersionExpiredError(version)
+            try:
+                pinned = resolve_version(version, live, versions.merged_version, run)
+            except ModelNameError as e:
+                raise ValueError(e.message) from None
+            key = await self._pool.route_key(ids, pinned, versions.merged_version, run)
+            if replica is not None and key is not None:
+                key = dict(key, replica=str(replica))
+            req = {"prompt_token_ids": ids, "version": pinned, "sampling": dict(sampling or {}),
+                   "drop_if_expired": bool(drop_if_expired)}
+            if run:
+                req["run"] = run
+            release = self._admission.take(n)
+            try:
+                out = list(await asyncio.gather(*[self._sample(req, key) for _ in range(n)]))
+            finally:
+                release()
         finally:
-            release()
+            if turn is not None:
+                turn()
+        if self._fair is not None:
+            self._fair.record(run, sum(len(o.get("token_ids", ())) for o in out))
+        return out
 
     async def _sample(self, req: dict, key: dict | None) -> dict:
         """One sample, sent again (same request, same pinned version) while its replica is lost."""
         def on_retry(retry: int, error: BaseException) -> None:
             self._admission.counts["replica_retries"] += 1
             logger.warning("generate: replica lost (%s); retry %d of %d under %s", short_error(error), retry,
-                           self._retry.attempts - 1, served_name(req["version"]))
+                           self._retry.attempts - 1, served_name(req["version"], req.get("run", "")))
 
         return await self._retry.run(lambda: self._pool.call("generate", req, key=key), on_retry=on_retry)

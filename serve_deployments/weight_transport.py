@@ -1,8 +1,9 @@
 """How a published version's weights get into a running engine: one object per transport (sync.mode).
 
-- `AdapterTransport` (adapter mode): the version's LoRA tensors are verified against the base model,
+- `AdapterTransport` (adapter mode): a run's version's LoRA tensors are verified against the base model,
   written as a PEFT dir on tmpfs and registered with the engine (`add_lora`) in one of the replica's
-  `AdapterSlots`, evicting the oldest idle version to make room (`remove_lora`).
+  `AdapterSlots`, evicting that run's oldest idle version to make room (`remove_lora`). The run "" is a
+  standalone service; other runs share a fleet's replicas (docs/FLEET.md).
 - `MergedTransport` (merge mode): the version's merged full weights are verified, staged as one
   safetensors file, and swapped in as the engine's base weights (`collective_rpc("load_merged_weights")`,
   then the prefix cache is reset): the base model then IS that version.
@@ -19,8 +20,8 @@ import time
 from pathlib import Path
 
 from common.adapter_io import AdapterError
-from common.types import lora_int_id, policy_name
-from serve_deployments.adapter_slots import AdapterSlots, SlotsFullError
+from common.types import adapter_name, lora_int_id, policy_name
+from serve_deployments.adapter_slots import AdapterKey, AdapterSlots, SlotsFullError
 from serve_deployments.adapter_store import (
     BaseModelShapes,
     remove_dir,
@@ -41,6 +42,9 @@ class ReplicaError(ValueError):
         return (type(self), (str(self), self.status_code))
 
 
+FLEET_LORA_ID_START = 1_000_000  # first LoRA int id of a fleet run's adapter (run "" uses id = version)
+
+
 def payload_kind(meta: dict) -> str:
     """`adapter` (LoRA tensors) or `merged` (full weights): which transport serves a payload."""
     return meta.get("kind", "adapter")
@@ -53,8 +57,14 @@ def _vllm_lora_request(name: str, int_id: int, path: str):
 
 
 class AdapterTransport:
-    """LoRA versions in the engine, one per slot. `requests` maps a served name to its LoRA request
-    (the replica passes vLLM's OpenAI model registry, so its serving classes see every loaded version)."""
+    """LoRA adapters in the engine, one per slot, keyed by (run, version). `requests` maps a served name
+    (`adapter_name`) to its LoRA request (the replica passes vLLM's OpenAI model registry, so its serving
+    classes see every loaded adapter).
+
+    vLLM keys adapters (and their prefix-cache blocks) by the LoRA int id, so an id must never name two
+    different weights: the run "" keeps id = version; a fleet run's adapter gets an id from a replica-local
+    counter starting at FLEET_LORA_ID_START, the same one while the run stays attached (its weights are
+    fixed by the digest) and never handed out again, also not to a later run of the same name."""
 
     def __init__(self, engine, slots: AdapterSlots, shapes: BaseModelShapes, scratch: Path, max_rank: int,
                  requests: dict | None = None, lora_request=_vllm_lora_request):
@@ -62,24 +72,38 @@ class AdapterTransport:
         self.requests = requests if requests is not None else {}
         self._lora_request = lora_request
         self.add_lora_ms: list[float] = []
+        self._ids: dict[AdapterKey, int] = {}  # fleet runs' adapters -> their LoRA int id
+        self._next_id = FLEET_LORA_ID_START
 
-    async def load(self, version: int, tensors: dict, meta: dict) -> dict:
-        """Verify and register `version`; on a bad payload raise ReplicaError (422) and leave every loaded
-        version serving; with every slot busy raise ReplicaError (503)."""
+    def lora_id(self, version: int, run: str = "") -> int:
+        """The LoRA int id of (run, version) on this replica (class docstring)."""
+        if not run:
+            return lora_int_id(version)
+        key = AdapterKey(run, version)
+        if key not in self._ids:
+            self._ids[key] = self._next_id
+            self._next_id += 1
+        return self._ids[key]
+
+    async def load(self, version: int, tensors: dict, meta: dict, run: str = "") -> dict:
+        """Verify and register run `run`'s `version`; on a bad payload raise ReplicaError (422) and leave every
+        loaded adapter serving; with every slot the run may take busy raise ReplicaError (503). Returns
+        {"evicted": name of the adapter evicted to make room, or None, "add_lora_ms"}."""
+        name = adapter_name(version, run)
         try:
             verify_adapter(tensors, meta, self.shapes, self.max_rank)
-            self.slots.check_digest(version, meta["sha256"])
+            self.slots.check_digest(version, meta["sha256"], run)
         except (AdapterError, ValueError) as e:
-            raise ReplicaError(f"{policy_name(version)} rejected: {e}", 422) from e
+            raise ReplicaError(f"{name} rejected: {e}", 422) from e
         try:
-            victim = self.slots.victim()
+            victim = self.slots.victim(run)
         except SlotsFullError as e:
             raise ReplicaError(str(e), 503) from e
         if victim is not None:
-            await self.evict(victim)
-        name = policy_name(version)
-        path = write_adapter_dir(tensors, meta, self.scratch, f"{name}-{meta['sha256'][:12]}")
-        req = self._lora_request(name, lora_int_id(version), str(path))
+            await self.evict(victim.version, victim.run)
+        # `/` would make a subdirectory; `@` is in no run name, so the dir names stay distinct.
+        path = write_adapter_dir(tensors, meta, self.scratch, f"{name.replace('/', '@')}-{meta['sha256'][:12]}")
+        req = self._lora_request(name, self.lora_id(version, run), str(path))
         t0 = time.perf_counter()
         try:
             await self.engine.add_lora(req)
@@ -87,24 +111,35 @@ class AdapterTransport:
             remove_dir(path)
             raise ReplicaError(f"{name} rejected by the engine: {e}", 422) from e
         self.add_lora_ms.append((time.perf_counter() - t0) * 1e3)
-        self.slots.add(version, str(path), meta["sha256"])
+        self.slots.add(version, str(path), meta["sha256"], run)
         self.requests[name] = req
-        return {"evicted": victim, "add_lora_ms": self.add_lora_ms[-1]}
+        return {"evicted": victim.name if victim is not None else None, "add_lora_ms": self.add_lora_ms[-1]}
 
-    def request(self, version: int):
-        return self.requests[policy_name(version)]
+    def request(self, version: int, run: str = ""):
+        return self.requests[adapter_name(version, run)]
 
-    async def evict(self, version: int) -> None:
-        """Only for a version with nothing in flight (the caller holds its load lock)."""
-        path = self.slots.remove(version)  # before any await: no request can take it meanwhile
-        self.requests.pop(policy_name(version), None)
-        await self.engine.remove_lora(lora_int_id(version))
+    async def evict(self, version: int, run: str = "") -> None:
+        """Only for an adapter with nothing in flight (the caller holds its load lock)."""
+        path = self.slots.remove(version, run)  # before any await: no request can take it meanwhile
+        self.requests.pop(adapter_name(version, run), None)
+        await self.engine.remove_lora(self.lora_id(version, run))
         if path:
             remove_dir(path)
 
-    async def evict_all(self) -> None:
-        for v in list(self.slots.loaded):
-            await self.evict(v)
+    async def evict_all(self, run: str | None = None) -> None:
+        """Evict every adapter (merged weights replaced the base they were deltas on), or run `run`'s."""
+        for key in self.slots.keys():
+            if run is None or key.run == run:
+                await self.evict(key.version, key.run)
+
+    async def forget(self, run: str) -> list[int]:
+        """Run `run` left: evict its adapters (idle: the caller drained them), drop its quota, digests and
+        LoRA ids (the ids are never handed out again). Returns the versions evicted."""
+        versions = self.slots.versions(run)
+        await self.evict_all(run)
+        self.slots.forget(run)
+        self._ids = {k: i for k, i in self._ids.items() if k.run != run}
+        return versions
 
 
 class MergedTransport:

@@ -17,9 +17,9 @@ import time
 from typing import NoReturn
 
 from common.faults import LostError, is_lost, short_error
-from common.types import policy_name
+from common.types import adapter_name
 from serve_deployments.replica_pool import ReplicaPool
-from serve_deployments.served_versions import ServedVersions
+from serve_deployments.served_versions import RunVersions
 from serve_deployments.weight_transport import payload_kind
 
 logger = logging.getLogger("ray.serve")
@@ -48,44 +48,78 @@ def _raise_for(errors: list[BaseException], message: str, error: type[BroadcastE
 
 
 class WeightsBroadcaster:
-    def __init__(self, pool: ReplicaPool, versions: ServedVersions):
+    def __init__(self, pool: ReplicaPool, runs: RunVersions):
         self._pool = pool
-        self._versions = versions
+        self._runs = RunVersions.of(runs)
         self._lock = asyncio.Lock()  # one state change at a time: loads, unloads, weight updates
 
-    async def load_adapter(self, version: int) -> dict:
-        """Load `policy-v{version}` (from the registry) on every replica, all or nothing (module
-        docstring). A merged payload (merge mode) goes to `update_weights` instead: same protocol."""
+    @property
+    def _versions(self):
+        return self._runs.base
+
+    @staticmethod
+    def _run_args(run: str) -> tuple:
+        return (run,) if run else ()  # a standalone call stays the call it always was
+
+    async def load_adapter(self, version: int, run: str = "") -> dict:
+        """Load run `run`'s version (from its registry) on every replica, all or nothing (module
+        docstring). A merged payload (merge mode, standalone only) goes to `update_weights`: same protocol."""
+        versions = self._runs.get(run)
         try:
-            kind = payload_kind((await self._versions.entry(version))["meta"])
+            kind = payload_kind((await versions.entry(version))["meta"])
         except Exception:
             kind = "adapter"  # the replicas answer the clear "registry does not hold it" error
         if kind == "merged":
+            if run:
+                raise AdapterLoadError(f"{adapter_name(version, run)}: merged weights cannot be served on a "
+                                       "fleet (sync.mode merge replaces the base model every run shares)")
             return await self.update_weights(version)
+        name = adapter_name(version, run)
         async with self._lock:
             t0 = time.perf_counter()
-            ok, errors = await self._pool.broadcast("load_adapter", version)
+            ok, errors = await self._pool.broadcast("load_adapter", version, *self._run_args(run))
             if errors or not ok:
-                _, undo_errors = await self._pool.broadcast("unload_adapter", version)
+                _, undo_errors = await self._pool.broadcast("unload_adapter", version, *self._run_args(run))
                 why = "; ".join(sorted({short_error(e) for e in errors})) or "no replica answered"
                 if undo_errors:
                     why += f" (rollback failed on {len(undo_errors)}: {short_error(undo_errors[0])})"
-                _raise_for(errors, f"{policy_name(version)} rejected by {len(errors)} of {len(ok) + len(errors)} "
+                _raise_for(errors, f"{name} rejected by {len(errors)} of {len(ok) + len(errors)} "
                                    f"replicas, rolled back: {why}", AdapterLoadError, AdapterLoadLost)
-            self._versions.unloaded.discard(version)
-            return {"version": version, "name": policy_name(version), "replicas": len(ok),
+            versions.unloaded.discard(version)
+            return {"version": version, "name": name, "replicas": len(ok),
                     "seconds": time.perf_counter() - t0, "results": ok}
 
-    async def unload_adapter(self, version: int) -> dict:
+    async def unload_adapter(self, version: int, run: str = "") -> dict:
         """Stop offering a version and drop it from every replica (in-flight requests finish first:
         the replicas' slot managers never evict an adapter in use)."""
+        versions = self._runs.get(run)
         async with self._lock:
-            self._versions.unloaded.add(version)
-            ok, errors = await self._pool.broadcast("unload_adapter", version)
+            versions.unloaded.add(version)
+            ok, errors = await self._pool.broadcast("unload_adapter", version, *self._run_args(run))
             if errors:
-                _raise_for(errors, f"unload {policy_name(version)}: {len(errors)} replicas failed: "
+                _raise_for(errors, f"unload {adapter_name(version, run)}: {len(errors)} replicas failed: "
                                    f"{short_error(errors[0])}")
-            return {"version": version, "replicas": len(ok)}
+            return {"version": version, "name": adapter_name(version, run), "replicas": len(ok)}
+
+    async def set_quota(self, run: str, slots: int) -> dict:
+        """A fleet run's adapter slots on every replica (it evicts only its own versions, within them)."""
+        async with self._lock:
+            ok, errors = await self._pool.broadcast("set_quota", run, int(slots))
+            if errors:
+                _raise_for(errors, f"run {run}: setting {slots} slots failed on {len(errors)} replicas: "
+                                   f"{short_error(errors[0])}")
+            return {"run": run, "slots": slots, "replicas": len(ok)}
+
+    async def forget_run(self, run: str) -> dict:
+        """A fleet run left (detached, or its lease ran out): every replica aborts its rollouts and unloads
+        its adapters; no other run's slot is touched."""
+        async with self._lock:
+            ok, errors = await self._pool.broadcast("forget_run", run)
+            if errors:
+                _raise_for(errors, f"run {run}: unloading its adapters failed on {len(errors)} replicas: "
+                                   f"{short_error(errors[0])}")
+            return {"run": run, "replicas": len(ok), "unloaded": sorted({v for r in ok for v in r.get("unloaded", [])}),
+                    "aborted": sum(int(r.get("aborted", 0)) for r in ok)}
 
     async def update_weights(self, version: int) -> dict:
         """Merge mode: every replica swaps in the merged weights of `version`."""
@@ -98,11 +132,11 @@ class WeightsBroadcaster:
             self._versions.merged_version = version
             return {"version": version, "replicas": len(ok), "results": ok}
 
-    async def expire(self, versions: list[int]) -> dict:
+    async def expire(self, versions: list[int], run: str = "") -> dict:
         """The registry trimmed these versions: every replica aborts their in-flight rollout requests
         (their samples could only be dropped as stale) so the adapter slots they hold free up at once.
         Best effort: a replica that misses it just lets them finish."""
-        ok, errors = await self._pool.broadcast("expire", list(versions))
+        ok, errors = await self._pool.broadcast("expire", list(versions), *self._run_args(run))
         if errors:
             logger.warning("expire %s: %d replicas failed: %s", versions, len(errors), short_error(errors[0]))
         return {"versions": list(versions), "aborted": sum(ok), "replicas": len(ok)}

@@ -63,13 +63,13 @@ class FakeReplica:
         if method in self.fail:
             raise self.fail[method]
 
-    async def load_adapter(self, version: int) -> dict:
-        self._enter("load_adapter", version)
+    async def load_adapter(self, version: int, run: str = "") -> dict:
+        self._enter("load_adapter", version, *((run,) if run else ()))
         self.versions.add(version)
         return {"version": version, "replica_id": self.replica_id}
 
-    async def unload_adapter(self, version: int) -> bool:
-        self._enter("unload_adapter", version)
+    async def unload_adapter(self, version: int, run: str = "") -> bool:
+        self._enter("unload_adapter", version, *((run,) if run else ()))
         held = version in self.versions
         self.versions.discard(version)
         return held
@@ -166,7 +166,7 @@ class FakePool:
     async def engine_info(self) -> dict:
         return self.engine
 
-    async def route_key(self, token_ids: list[int], version: int, merged_version: int) -> dict:
+    async def route_key(self, token_ids: list[int], version: int, merged_version: int, run: str = "") -> dict:
         return {"ids": list(token_ids), "version": version}
 
     async def call(self, method: str, *args, key: dict | None = None):

@@ -59,9 +59,9 @@ def test_adapter_load_evict_and_refusals(tiny_model_dir, shapes, tmp_path):
         assert run(t.load(v, *payloads[v]))["evicted"] is None
     assert sorted(engine.loras) == [1, 2] and set(t.requests) == {"policy-v1", "policy-v2"}
     t.slots.acquire(1)  # v1 busy: v2 is the one to go
-    assert run(t.load(3, *payloads[3]))["evicted"] == 2
+    assert run(t.load(3, *payloads[3]))["evicted"] == "policy-v2"
     assert sorted(engine.loras) == [1, 3] and t.request(3)[0] == "policy-v3"
-    assert not Path(t.slots.loaded[1]).name.startswith("policy-v2")
+    assert not Path(t.slots.loaded[("", 1)]).name.startswith("policy-v2")
     t.slots.acquire(3)
     with pytest.raises(ReplicaError) as e:  # every slot busy
         run(t.load(2, *payloads[2]))
@@ -74,6 +74,41 @@ def test_adapter_load_evict_and_refusals(tiny_model_dir, shapes, tmp_path):
     assert e.value.status_code == 422 and sorted(engine.loras) == [1, 3]  # nothing changed
     with pytest.raises(ReplicaError, match="other weights"):  # a version name is never reused
         run(t.load(3, *payloads[2]))
+    run(t.evict_all())
+    assert engine.loras == {} and t.requests == {} and not list(tmp_path.iterdir())
+
+
+def test_fleet_runs_named_ids_never_reused(tiny_model_dir, shapes, tmp_path):
+    """Two runs' policy-v1 side by side: own names, own LoRA ids (the run "" keeps id = version), a run
+    evicts only its own; forgetting a run frees its ids for good (a later run of that name gets new ones)."""
+    from serve_deployments.weight_transport import FLEET_LORA_ID_START
+
+    engine = FakeEngine()
+    t = adapters(shapes, tmp_path, engine, capacity=4)
+    t.slots.set_quota("", 1)
+    t.slots.set_quota("a", 2)
+    t.slots.set_quota("b", 1)
+    p = {v: make_lora_payload(tiny_model_dir, seed=v) for v in (1, 2, 3)}
+    run(t.load(1, *p[1]))
+    run(t.load(1, *p[2], run="a"))
+    run(t.load(1, *p[3], run="b"))
+    assert set(t.requests) == {"policy-v1", "a/policy-v1", "b/policy-v1"}
+    assert sorted(engine.loras) == [1, FLEET_LORA_ID_START, FLEET_LORA_ID_START + 1]
+    assert t.request(1, "a") == ("a/policy-v1", FLEET_LORA_ID_START, t.slots.loaded[("a", 1)])
+    assert Path(t.slots.loaded[("a", 1)]).parent == tmp_path  # a flat dir, not a/ under the scratch dir
+    run(t.load(2, *p[1], run="a"))
+    assert run(t.load(3, *p[2], run="a"))["evicted"] == "a/policy-v1"  # a's own oldest, never b's or ""'s
+    assert t.slots.keys() == [("", 1), ("a", 2), ("a", 3), ("b", 1)]
+    with pytest.raises(ReplicaError) as e:  # b has one slot, and it is busy
+        t.slots.acquire(1, "b")
+        run(t.load(2, *p[1], run="b"))
+    assert e.value.status_code == 503 and "run b" in str(e.value)
+    t.slots.release(1, "b")
+    assert run(t.forget("a")) == [2, 3]
+    assert t.slots.keys() == [("", 1), ("b", 1)] and set(t.requests) == {"policy-v1", "b/policy-v1"}
+    t.slots.set_quota("a", 2)
+    run(t.load(1, *p[3], run="a"))  # a new run "a": other weights under a/policy-v1 are fine, with a new id
+    assert t.request(1, "a")[1] == FLEET_LORA_ID_START + 4 and sorted(engine.loras)[-1] == FLEET_LORA_ID_START + 4
     run(t.evict_all())
     assert engine.loras == {} and t.requests == {} and not list(tmp_path.iterdir())
 

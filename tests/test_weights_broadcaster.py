@@ -104,7 +104,7 @@ def test_update_weights_failures():
 
 def test_unload_withholds_the_version():
     weights, replicas, versions = broadcaster(held=(3, 4), live=(3, 4))
-    assert asyncio.run(weights.unload_adapter(4)) == {"version": 4, "replicas": 2}
+    assert asyncio.run(weights.unload_adapter(4)) == {"version": 4, "name": "policy-v4", "replicas": 2}
     assert asyncio.run(versions.live()) == [3] and all(r.versions == {3} for r in replicas)
     asyncio.run(weights.load_adapter(4))
     assert asyncio.run(versions.live()) == [3, 4]

@@ -109,13 +109,14 @@ def run_worker(cfg: Config, options: WorkerOptions) -> None:
 
 class GRPOWorker:
     def __init__(self, cfg: Config, options: WorkerOptions):
-        from common.ray_utils import named_actor
+        from common.ray_utils import named_actor, use_run_namespace
         from train_loops.adapter_sync import AdapterPublisher
         from train_loops.deepspeed_setup import build_engine, init_distributed
         from train_loops.lora import build_lora_model, peft_config_dict
         from train_loops.policy import PolicyLogprobs
 
         self.cfg, self.options = cfg, options
+        use_run_namespace(cfg)
         self.runner, self.source = options.runner, options.batch_source
         init_distributed(cfg.train.use_gpu)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()

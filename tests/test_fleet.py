@@ -1,0 +1,168 @@
+"""Many runs, one fleet (issue 19, docs/FLEET.md), end to end on CPU with real Ray, Serve, vLLM and DeepSpeed.
+
+A fleet is started on a Ray cluster this test owns (`ray.cluster_utils.Cluster`), like `python -m app fleet up`
+on a cluster of `ray start`. Two training runs with different LoRA ranks attach to it as separate driver
+processes (`python -m app train --fleet NAME`, as a user starts them) and train at once. Then:
+- a third attach that does not fit the fleet's adapter slots is refused at once, with the numbers;
+- a run's token cannot unload another run's adapter (403);
+- one run's driver is SIGKILLed mid-run: its adapters leave /v1/models within the lease;
+- the other run finishes every step and learns (reward z > 3).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.report import proportion_z
+from common import config as C
+from tests._serve_helpers import free_port
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+FLEET = "t"
+ADMIN = "fleet-admin-token"
+LEASE_S = 10.0
+SLOTS = 10  # two runs of max_staleness + 2 = 4 slots, and a probe run of 2: full
+STEPS_B = 32
+
+
+def _rows(path: Path) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line being written
+            pass
+    return rows
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_dir, tmp_path_factory):
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from app.fleet import fleet_down, fleet_up
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
+    ray.init(address=cluster.address, log_to_driver=False)
+    port = free_port()
+    cfg = C.load("recipes/tiny-cpu.yaml", [
+        f"model.path={tiny_model_dir}", "model.build_tiny=false", "rollout.replicas=1", f"rollout.http_port={port}",
+        "rollout.proxy_location=HeadOnly", f"sync.max_loras={SLOTS}", "rollout.max_lora_rank=8",
+        "rollout.cpus_per_replica=0.5"])
+    try:
+        out = fleet_up(cfg, FLEET, SLOTS, LEASE_S, admin_token=ADMIN)
+        yield {"address": cluster.address, "port": port, "out": tmp_path_factory.mktemp("fleet"), **out}
+        fleet_down(FLEET, ADMIN)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _start_run(fleet: dict, tiny_model_dir, name: str, rank: int, steps: int) -> tuple[subprocess.Popen, Path]:
+    out = fleet["out"]
+    log = open(out / f"{name}.log", "w")
+    cmd = [sys.executable, "-m", "app", "train", "--config", "recipes/tiny-cpu.yaml", "--fleet", FLEET,
+           "--no-progress", "--set", f"model.path={tiny_model_dir}", "--set", "model.build_tiny=false",
+           "--set", f"run.name={name}", "--set", f"run.out_dir={out}", "--set", f"lora.rank={rank}",
+           "--set", f"lora.alpha={2 * rank}", "--set", f"train.total_steps={steps}", "--set", "train.num_workers=1",
+           "--set", "rollout.workers=1", "--set", "checkpoint.every=0", "--set", "eval.path=null"]
+    env = dict(os.environ, RAY_ADDRESS=fleet["address"], LORA_GRPO_FLEET_TOKEN=ADMIN, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return proc, out / name / "metrics.jsonl"
+
+
+def _model_ids(base: str) -> set[str]:
+    r = httpx.get(f"{base}/v1/models", timeout=30)
+    assert r.status_code == 200, r.text
+    return {m["id"] for m in r.json()["data"]}
+
+
+def _wait(cond, timeout_s: float, what: str, procs=()):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        for p in procs:
+            assert p.poll() is None, f"a run exited ({p.returncode}) while waiting for {what}"
+        time.sleep(1.0)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_dir):
+    import ray
+
+    from app.fleet import fleet_status
+    from common.names import NAMESPACE, fleet_app
+    from serve_deployments.fleet_state import FleetError
+
+    base = f"http://127.0.0.1:{fleet['port']}"
+    state = ray.get_actor(fleet_app(FLEET), namespace=NAMESPACE)
+    a, a_rows = _start_run(fleet, tiny_model_dir, "a", rank=4, steps=400)
+    b, b_rows = _start_run(fleet, tiny_model_dir, "b", rank=8, steps=STEPS_B)
+    try:
+        # Both train at once, each served under its own names, ranks 4 and 8 side by side.
+        ids = _wait(lambda: (lambda i: i if {"a/policy-v2", "b/policy-v2"} <= i else None)(_model_ids(base)),
+                    600, "both runs to publish policy-v2", (a, b))
+        assert {"a/policy-latest", "b/policy-latest"} <= ids
+        runs = ray.get(state.runs.remote())
+        assert {r: (v["slots"], v["lora_rank"]) for r, v in runs.items()} == {"a": (4, 4), "b": (4, 8)}
+
+        # A probe run takes the last 2 slots; one more run needing 4 is refused at once, with the numbers.
+        probe = ray.get(state.attach.remote(ADMIN, "probe", 2, 1.0, 4))
+        with pytest.raises(FleetError) as e:
+            ray.get(state.attach.remote(ADMIN, "d", 4, 1.0, 4))
+        assert e.value.status_code == 409 and "needs 4 adapter slots" in str(e.value) and "0 of 10" in str(e.value)
+
+        # A run's token may not unload another run's adapter; the fleet's admin token is not needed to see that.
+        r = httpx.delete(f"{base}/admin/adapters/b/policy-v1", headers={"Authorization": f"Bearer {probe['token']}"},
+                         timeout=30)
+        assert r.status_code == 403, r.text
+        assert "b/policy-v2" in _model_ids(base)
+
+        # SIGKILL run a's driver: no detach; its lease runs out and the fleet unloads its adapters.
+        a.send_signal(signal.SIGKILL)
+        a.wait(timeout=30)
+        t_kill = time.monotonic()
+        # Gone from /v1/models at once (its registry died with its driver: nothing of it is offered), and from
+        # every replica's slots once the lease ran out and the fleet forgot it.
+        _wait(lambda: not any(i.startswith("a/") for i in _model_ids(base)), LEASE_S + 30,
+              "run a's adapters to leave /v1/models")
+        _wait(lambda: "a" not in ray.get(state.runs.remote()), LEASE_S + 30, "the fleet to forget run a")
+        gone_s = time.monotonic() - t_kill
+        assert gone_s <= LEASE_S + 30
+        held = [name for rep in fleet_status(FLEET)["replica_stats"] for name in rep["adapters"]]
+        assert not any(name.startswith("a/") for name in held), held
+        assert any(name.startswith("b/") for name in held), f"run b's adapters went with run a's: {held}"
+        assert any(i.startswith("b/") for i in _model_ids(base))
+
+        # Run b, untouched, finishes every step and learns.
+        assert b.wait(timeout=900) == 0, (fleet["out"] / "b.log").read_text()[-3000:]
+        rows = _rows(b_rows)
+        assert [r["step"] for r in rows] == list(range(1, STEPS_B + 1))
+        k = len(rows) // 4
+        per_step = 16 * 8  # tiny-cpu: prompts_per_step x group_size
+        z = proportion_z(rows[:k], rows[-k:], per_step)
+        assert z > 3.0, f"run b did not learn: z={z:.2f}, {[round(r['reward_mean'], 3) for r in rows]}"
+        # It detached at its end: its slots are free again, and its names gone.
+        _wait(lambda: "b" not in ray.get(state.runs.remote()), 30, "run b to detach")
+        assert not any(i.startswith("b/") for i in _model_ids(base))
+        ray.get(state.detach.remote("probe", probe["token"]))
+        print(json.dumps({"a_gone_after_kill_s": round(gone_s, 1), "b_z": round(z, 2)}))
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
