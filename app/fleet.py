@@ -65,6 +65,7 @@ def fleet_up(cfg: Config, name: str, slots: int, lease_s: float, admin_token: st
     from ray import serve
 
     from common.names import NAMESPACE, REGISTRY_NAME, fleet_app
+    from common.placement import on_driver_node
     from serve_deployments.app_builder import build_app, wait_healthy
     from serve_deployments.fleet_state import FleetState, digest, new_token
 
@@ -79,7 +80,8 @@ def fleet_up(cfg: Config, name: str, slots: int, lease_s: float, admin_token: st
     read_token = read_token or os.environ.get(READ_TOKEN_ENV) or None
     info = {"model": str(cfg.model.path), "replicas": cfg.rollout.replicas, "http_port": cfg.rollout.http_port,
             "max_num_seqs": cfg.rollout.max_num_seqs}
-    state = FleetState.options(name=app, namespace=NAMESPACE, lifetime="detached").remote(
+    # On the node `fleet up` runs on (the head, typically): the fleet's state outlives worker nodes.
+    state = FleetState.options(name=app, namespace=NAMESPACE, lifetime="detached", **on_driver_node()).remote(
         name, app, slots, cfg.rollout.max_lora_rank, digest(admin_token), digest(read_token), lease_s, info)
     try:
         ray.get(state.ping.remote())
