@@ -92,9 +92,10 @@ def letters_heldout(n: int, seed: int = 0, exclude: int = HELDOUT_EXCLUDE) -> li
     return rows
 
 
-# The arithmetic task (`builtin:arith[-1|-2][-heldout]`) for real pretrained models: one- or two-step word
-# problems, every number in them (operands, intermediate results, answer) a whole number below 100. The
-# prompt asks for the answer in \boxed{}, which app.rewards' boxed math rewards score.
+# The arithmetic task (`builtin:arith[-1|-2|-1-small][-heldout]`) for real pretrained models: one- or two-step
+# word problems, every number in them (operands, intermediate results, answer) a whole number below 100
+# (`-1-small`: one step, below 50, for a model that starts too low on the full range). The prompt asks for the
+# answer in \boxed{}, which app.rewards' boxed math rewards score.
 ARITH_INSTRUCTION = "Put the final answer in \\boxed{}."
 _NAMES = ("Tom", "Sara", "Ben", "Mia", "Leo", "Anna", "Sam", "Lily", "Max", "Emma", "Noah", "Zoe", "Jack", "Ella",
           "Omar", "Nina")
@@ -120,17 +121,17 @@ _ARITH = {
 }
 
 
-def _arith_numbers(kind: str, rng: random.Random) -> tuple[int, int, int]:
-    """Operands for `kind` with the first step's result and the answer whole and in 1..99 (rejection)."""
+def _arith_numbers(kind: str, rng: random.Random, top: int = 99) -> tuple[int, int, int]:
+    """Operands for `kind` with the first step's result and the answer whole and in 1..top (rejection)."""
     first_op = kind.split("-")[0]
     while True:
-        c = rng.randint(1, 98)
+        c = rng.randint(1, top - 1)
         if first_op == "mul":
             a = rng.randint(2, 9)
-            b = rng.randint(2, 99 // a)
+            b = rng.randint(2, top // a)
         elif first_op == "div" or kind == "add-div":  # a total that splits evenly among 2..9
             k = rng.randint(2, 9)
-            total = k * rng.randint(1, 99 // k)
+            total = k * rng.randint(1, top // k)
             if kind == "div":
                 a, b = total, k
             elif total < 2:
@@ -139,17 +140,17 @@ def _arith_numbers(kind: str, rng: random.Random) -> tuple[int, int, int]:
                 a = rng.randint(1, total - 1)
                 b, c = total - a, k
         else:
-            a, b = rng.randint(2, 99), rng.randint(1, 98)
+            a, b = rng.randint(2, top), rng.randint(1, top - 1)
         first = {"add": a + b, "sub": a - b, "mul": a * b, "div": a // max(b, 1)}[first_op]
         ans = _ARITH[2 if "-" in kind else 1][kind][1](a, b, c)
-        if 1 <= first <= 99 and 1 <= ans <= 99:
+        if 1 <= first <= top and 1 <= ans <= top:
             return a, b, c if "-" in kind else 0  # a one-step problem has no third number
 
 
-def _arith_problem(steps: int, rng: random.Random) -> tuple[tuple, str, str]:
+def _arith_problem(steps: int, rng: random.Random, top: int = 99) -> tuple[tuple, str, str]:
     """(key, prompt, answer): the key names the arithmetic asked (kind and numbers), not its wording."""
     kind = rng.choice(sorted(_ARITH[steps]))
-    a, b, c = _arith_numbers(kind, rng)
+    a, b, c = _arith_numbers(kind, rng, top)
     template, fn = _ARITH[steps][kind]
     text = template.format(n=rng.choice(_NAMES), i=rng.choice(_ITEMS), x=rng.choice(_BOXES), a=a, b=b, c=c)
     return (kind, a, b, c), f"{text} {ARITH_INSTRUCTION}", str(fn(a, b, c))
@@ -168,14 +169,15 @@ def _arith_heldout_key(key: tuple) -> bool:
     return zlib.crc32(repr(key).encode()) % _ARITH_HELDOUT_EVERY == 0
 
 
-def _arith_rows(n: int, rng: random.Random, steps: int | None, heldout: bool, prefix: str) -> list[dict]:
+def _arith_rows(n: int, rng: random.Random, steps: int | None, heldout: bool, prefix: str, top: int = 99
+                ) -> list[dict]:
     rows: list[dict] = []
     seen: set[tuple] = set()
     for _ in range(1000 * n + 1000):  # rejection sampling, bounded
         if len(rows) == n:
             return rows
         k = _arith_steps(steps, rng)
-        key, prompt, answer = _arith_problem(k, rng)
+        key, prompt, answer = _arith_problem(k, rng, top)
         if _arith_heldout_key(key) != heldout or (heldout and key in seen):
             continue  # held-out problems are distinct; training ones may repeat, like any sample
         seen.add(key)
@@ -183,21 +185,26 @@ def _arith_rows(n: int, rng: random.Random, steps: int | None, heldout: bool, pr
     raise DataError(f"{prefix}: only {len(rows)} distinct held-out problems of {n} asked for")
 
 
-def arith_task(n: int, seed: int = 0, steps: int | None = None) -> list[dict]:
-    """n training word problems of `steps` steps (1 or 2; None: one or two at random); rows carry `steps`."""
-    return _arith_rows(n, random.Random(seed), steps, False, "arith")
+def arith_task(n: int, seed: int = 0, steps: int | None = None, top: int = 99) -> list[dict]:
+    """n training word problems of `steps` steps (1 or 2; None: one or two at random), numbers <= `top`; rows
+    carry `steps`."""
+    return _arith_rows(n, random.Random(seed), steps, False, "arith", top)
 
 
-def arith_heldout(n: int, seed: int = 0, steps: int | None = None) -> list[dict]:
-    """n distinct held-out problems: none is ever a training problem of any `builtin:arith*` variant."""
-    return _arith_rows(n, random.Random(_HELDOUT_SEED_BASE + seed), steps, True, "arith-heldout")
+def arith_heldout(n: int, seed: int = 0, steps: int | None = None, top: int = 99) -> list[dict]:
+    """n distinct held-out problems: none is ever a training problem of any `builtin:arith*` variant (the
+    held-out choice hashes the problem itself, so a small-number problem is held out in every variant)."""
+    return _arith_rows(n, random.Random(_HELDOUT_SEED_BASE + seed), steps, True, "arith-heldout", top)
+
+
+ARITH_SMALL_TOP = 49  # -1-small: ~170 distinct held-out one-step problems, enough for an eval of 128
 
 
 def _arith_builtins() -> dict:
     out = {}
-    for suffix, steps in (("", None), ("-1", 1), ("-2", 2)):
-        out[f"arith{suffix}"] = lambda n, seed, s=steps: arith_task(n, seed, s)
-        out[f"arith{suffix}-heldout"] = lambda n, seed, s=steps: arith_heldout(n, seed, s)
+    for suffix, steps, top in (("", None, 99), ("-1", 1, 99), ("-2", 2, 99), ("-1-small", 1, ARITH_SMALL_TOP)):
+        out[f"arith{suffix}"] = lambda n, seed, s=steps, t=top: arith_task(n, seed, s, t)
+        out[f"arith{suffix}-heldout"] = lambda n, seed, s=steps, t=top: arith_heldout(n, seed, s, t)
     return out
 
 

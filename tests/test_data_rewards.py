@@ -72,3 +72,21 @@ def test_rewards():
         load_reward("no_such_module:f")
     with pytest.raises(ValueError, match="has no function"):
         load_reward("app.rewards:nope")
+
+
+def test_arith_splits_are_disjoint_and_small_numbers_stay_small():
+    import re
+
+    from app.data import ARITH_SMALL_TOP, arith_heldout, arith_task
+
+    small_train, small_held = arith_task(2000, steps=1, top=ARITH_SMALL_TOP), arith_heldout(128, steps=1,
+                                                                                             top=ARITH_SMALL_TOP)
+    for rows in (small_train, small_held):
+        for r in rows:
+            numbers = [int(x) for x in re.findall(r"\d+", r["prompt"])] + [int(r["answer"])]
+            assert all(1 <= x <= ARITH_SMALL_TOP for x in numbers), r
+    # a held-out problem is held out in every variant: neither the small nor the full training split asks it
+    held = {(r["prompt"].split(".")[0], r["answer"]) for r in small_held}
+    for train in (small_train, arith_task(4000, steps=1)):
+        assert not held & {(r["prompt"].split(".")[0], r["answer"]) for r in train}
+    assert len(small_held) == 128
