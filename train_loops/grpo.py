@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from common.config import GRPOConfig, LossAgg
-from train_loops.head_logprobs import head_logprobs, nucleus, nucleus_log_weights
+from train_loops.head_logprobs import head_logits, head_logprobs, nucleus, nucleus_log_weights
 from train_loops.losses import agg_loss, get_policy_loss
 
 __all__ = ["aggregate", "group_advantages", "grpo_loss", "chunked_token_logprobs",
@@ -62,9 +62,26 @@ def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tens
                                    seq_denominator=seq_denominator)
 
 
+def _module_logits(hidden: torch.Tensor, lm_head: torch.nn.Module, fp32_head: bool) -> torch.Tensor:
+    """float32 logits of any LM head module; with `fp32_head` a linear head's matmul has a float32 result
+    (train_loops/head_logprobs.py `head_logits`). A ZeRO-3 partitioned head is refused with the option: only
+    the module call gathers it, and that computes in the weight's dtype (gathering it by hand inside the
+    forward fails for a head tied to the input embedding, which is still active: DeepSpeed 0.19)."""
+    if not fp32_head or hidden.dtype == torch.float32:
+        return lm_head(hidden).float()
+    weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
+    if weight is None:
+        raise ValueError(f"model.fp32_head: the LM head {type(lm_head).__name__} has no weight to multiply by")
+    if any(getattr(p, "ds_id", None) is not None for p in (weight, bias) if p is not None):
+        raise ValueError("model.fp32_head: not with a ZeRO-3 partitioned LM head (train.zero_stage 3); use "
+                         "zero_stage 2, or model.dtype float32, where the head is float32 already")
+    logits = head_logits(hidden, weight, fp32_head=True)
+    return logits if bias is None else logits + bias.float()
+
+
 def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.nn.Module, temperature: float,
-                    top_p: float = 1.0):
-    logits = lm_head(hidden).float()
+                    top_p: float = 1.0, fp32_head: bool = False):
+    logits = _module_logits(hidden, lm_head, fp32_head)
     if temperature != 1.0:
         logits = logits / temperature
     if top_p < 1.0:  # the nucleus vLLM sampled from: see train_loops/head_logprobs.py
@@ -82,11 +99,12 @@ def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.nn.Module,
-                           chunk: int, temperature: float = 1.0,
-                           top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                           chunk: int, temperature: float = 1.0, top_p: float = 1.0,
+                           fp32_head: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [N, H], targets [N] -> (logp [N] with grad, entropy [N] detached), both under the
     distribution vLLM samples from: softmax(logits / temperature), truncated to the top-p nucleus when
-    top_p < 1 (train_loops/head_logprobs.py).
+    top_p < 1 (train_loops/head_logprobs.py). `fp32_head` (model.fp32_head): the head's logits have a
+    float32 result, as vLLM's under `head_dtype=float32` (train_loops/head_logprobs.py).
 
     Peak memory is one chunk x vocab in float32: a frozen, unpartitioned, bias-free head goes through
     train_loops/head_logprobs.py (logits made again in the backward and turned into the gradient in
@@ -95,14 +113,14 @@ def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head:
     if (torch.is_grad_enabled() and hidden.requires_grad and weight is not None and not weight.requires_grad
             and getattr(lm_head, "bias", None) is None and getattr(weight, "ds_id", None) is None
             and hidden.shape[0]):
-        return head_logprobs(hidden, targets, weight, chunk, temperature, top_p)
+        return head_logprobs(hidden, targets, weight, chunk, temperature, top_p, fp32_head)
     logps, ents = [], []
     for i in range(0, hidden.shape[0], chunk):
         h, y = hidden[i:i + chunk], targets[i:i + chunk]
         if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(_chunk_logprobs, h, y, lm_head, temperature, top_p, use_reentrant=False)
+            lp, ent = checkpoint(_chunk_logprobs, h, y, lm_head, temperature, top_p, fp32_head, use_reentrant=False)
         else:
-            lp, ent = _chunk_logprobs(h, y, lm_head, temperature, top_p)
+            lp, ent = _chunk_logprobs(h, y, lm_head, temperature, top_p, fp32_head)
         logps.append(lp)
         ents.append(ent)
     if not logps:
@@ -113,8 +131,10 @@ def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head:
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, pred_pos: torch.Tensor,
                       targets: torch.Tensor, mask: torch.Tensor, chunk: int,
-                      temperature: float = 1.0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token logprobs of the completion tokens only, under the sampling distribution (temperature, top-p).
+                      temperature: float = 1.0, top_p: float = 1.0,
+                      fp32_head: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token logprobs of the completion tokens only, under the sampling distribution (temperature, top-p),
+    the LM head in float32 when `fp32_head` (model.fp32_head; the reference forward of the KL term too).
 
     `model` is a HF causal LM (or a PEFT wrapper of one); its decoder runs once over the full sequences,
     then only the hidden states at `pred_pos` (the position predicting each completion token) go
@@ -131,7 +151,7 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     picked = hidden.gather(1, pred_pos[..., None].expand(B, T, hidden.shape[-1]))
     real = mask.bool()
     lp, ent = chunked_token_logprobs(picked[real], targets[real], hf.get_output_embeddings(), chunk, temperature,
-                                     top_p)
+                                     top_p, fp32_head)
     logp = torch.zeros(B, T, dtype=lp.dtype, device=lp.device).masked_scatter(real, lp)
     entropy = torch.zeros(B, T, dtype=ent.dtype, device=ent.device).masked_scatter(real, ent)
     return logp, entropy

@@ -36,17 +36,57 @@ most, not a multiple of the chunk's logits; the backward needs no sort (per toke
 kept logit and the tie weight) and no float temporary beyond the chunk's. Cost on one H200, vocabulary
 151,936, 16,384 tokens in chunks of 4,096: forward 0.38 s instead of 0.06 s (the sort), backward 0.08 s
 instead of 0.05 s, the same peak memory.
+
+fp32 head (`model.fp32_head`, argument `fp32_head`): in a bf16 model the logits are a bf16 matmul's result,
+rounded to bf16 (a step of 1/32 between 4 and 8), then upcast; each engine rounds its own slightly different
+sums, which adds to the trainer/vLLM logprob mismatch (the literature's largest part on GPUs; on CPU with
+Gemma 3 270M a sixth of it: mean |diff| 0.0236 -> 0.0199, benchmarks/results/fp32_head_cpu.json; the rest
+comes from the decoders). With the option both compute the LM head with a float32 result, the way vLLM
+does under `hf_overrides={"head_dtype": "float32"}`
+(vllm/model_executor/layers/logits_processor.py `_apply_head`): on CUDA one bf16 GEMM with a float32
+output (`torch.mm(out_dtype=)`, torch >= 2.10, no float32 copy of the weight), elsewhere both operands cast to float32
+(a float32 copy of the weight, made once per forward and once per backward, not per chunk). The backward
+keeps the weight's dtype for `grad_hidden` (rounded to the hidden states' dtype anyway). A float32 model
+is unchanged by the option.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # Elements (rows x vocab) sorted at once by `nucleus`: ~60 bytes each across its temporaries (measured).
 _SORT_ELEMENTS = 1 << 24
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = (h @ weight.t()).float()
+def _fused_fp32_mm(h: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `torch.mm(out_dtype=float32)` applies: CUDA only (no CPU kernel in torch 2.13), half inputs, and
+    no autograd through it (aten::mm.dtype has no derivative)."""
+    return (h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and weight.dtype == h.dtype
+            and not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)))
+
+
+def head_weight(weight: torch.Tensor, h: torch.Tensor, fp32_head: bool) -> torch.Tensor:
+    """The weight `head_logits` multiplies by, prepared once for many chunks: the float32 copy where the head
+    runs in float32 by casting (see the module doc), else `weight` itself."""
+    if fp32_head and h.dtype != torch.float32 and not _fused_fp32_mm(h, weight):
+        return weight.float()
+    return weight
+
+
+def head_logits(h: torch.Tensor, weight: torch.Tensor, fp32_head: bool = False) -> torch.Tensor:
+    """h [N, H] @ weight [V, H].T as float32 logits [N, V]. Default: the matmul in the model's dtype, then
+    upcast (what HF's lm_head does). fp32_head: a float32 result with no half-precision rounding of the
+    logits, as vLLM's `head_dtype=float32` computes it (module doc); `weight` may be `head_weight`'s copy."""
+    if not fp32_head or h.dtype == torch.float32:
+        return (h @ weight.t()).float()
+    if _fused_fp32_mm(h, weight):
+        return torch.mm(h, weight.t(), out_dtype=torch.float32)
+    return F.linear(h.float(), weight.float())  # vLLM's cast path; .float() is free on head_weight's copy
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, fp32_head: bool = False
+                  ) -> torch.Tensor:
+    logits = head_logits(h, weight, fp32_head)
     if temperature != 1.0:
         logits.div_(temperature)
     return logits
@@ -101,8 +141,10 @@ class HeadLogprobs(torch.autograd.Function):
     """(hidden [N, H], targets [N], weight [V, H]) -> (logp [N] float32, entropy [N] float32, no grad)."""
 
     @staticmethod
-    def forward(ctx, hidden, targets, weight, temperature: float, chunk: int, top_p: float = 1.0):
+    def forward(ctx, hidden, targets, weight, temperature: float, chunk: int, top_p: float = 1.0,
+                fp32_head: bool = False):
         n = hidden.shape[0]
+        w = head_weight(weight, hidden, fp32_head)
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp)
         logz = torch.empty_like(logp)
@@ -111,7 +153,7 @@ class HeadLogprobs(torch.autograd.Function):
             tau, tie_w = torch.empty_like(logp), torch.empty_like(logp)
         for i in range(0, n, chunk):
             sl = slice(i, i + chunk)
-            logits = _chunk_logits(hidden[sl], weight, temperature)
+            logits = _chunk_logits(hidden[sl], w, temperature, fp32_head)
             if tau is not None:
                 tau[sl], tie_w[sl], logz[sl], entropy[sl] = nucleus(logits, targets[sl], top_p)
                 logp[sl] = logits.gather(-1, targets[sl, None]).squeeze(-1) - logz[sl]
@@ -123,7 +165,7 @@ class HeadLogprobs(torch.autograd.Function):
             # H = -sum p log p, as a batched dot product (no product tensor is written)
             entropy[sl] = -torch.bmm(logits.exp().unsqueeze(1), logits.unsqueeze(2)).view(-1)
         ctx.save_for_backward(hidden, targets, weight, logz, tau, tie_w)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.fp32_head = temperature, chunk, fp32_head
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -131,12 +173,13 @@ class HeadLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden, targets, weight, logz, tau, tie_w = ctx.saved_tensors
         t, chunk = ctx.temperature, ctx.chunk
+        w = head_weight(weight, hidden, ctx.fp32_head)
         grad_hidden = torch.empty_like(hidden)
         g_all = grad_logp.float() / t
         for i in range(0, hidden.shape[0], chunk):
             sl = slice(i, i + chunk)
             h, y, g = hidden[sl], targets[sl, None], g_all[sl, None]
-            p = _chunk_logits(h, weight, t)
+            p = _chunk_logits(h, w, t, ctx.fp32_head)
             if tau is None:
                 p.sub_(logz[sl, None]).exp_()  # softmax
             else:
@@ -144,7 +187,7 @@ class HeadLogprobs(torch.autograd.Function):
             p.mul_(-g)
             p.scatter_add_(-1, y, g)  # (onehot - softmax) * g / T
             grad_hidden[sl] = p.to(hidden.dtype) @ weight
-        return grad_hidden, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None
 
 
 def _nucleus_softmax_(logits, y, tau, tie_w, logz):
@@ -161,5 +204,6 @@ def _nucleus_softmax_(logits, y, tau, tie_w, logz):
 
 
 def head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, chunk: int,
-                  temperature: float = 1.0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    return HeadLogprobs.apply(hidden, targets, weight, float(temperature), int(chunk), float(top_p))
+                  temperature: float = 1.0, top_p: float = 1.0,
+                  fp32_head: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return HeadLogprobs.apply(hidden, targets, weight, float(temperature), int(chunk), float(top_p), bool(fp32_head))

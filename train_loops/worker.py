@@ -132,7 +132,7 @@ class GRPOWorker:
         # micro-batches hold different token counts would run different numbers of collectives and
         # deadlock, so under ZeRO-3 (CPU only: refused on GPU) the head runs once per forward.
         chunk = cfg.train.logprob_chunk if cfg.train.zero_stage < 3 else 1 << 62
-        policy = PolicyLogprobs(self.model, chunk, cfg.grpo.temperature, cfg.grpo.top_p)
+        policy = PolicyLogprobs(self.model, chunk, cfg.grpo.temperature, cfg.grpo.top_p, cfg.model.fp32_head)
         self.engine = build_engine(policy, cfg, self.world, options.ds_overrides)
         self.metrics = named_actor(options.metrics_name) if self.rank == 0 else None
         self.buffer = self._find_buffer()
