@@ -169,7 +169,7 @@ def plot(rec: dict, rows: list[dict], path: Path) -> None:
 
 
 def _difficulties(eval_path: str) -> list[str]:
-    """builtin:arith-heldout -> the one-step, two-step and mixed held-out splits."""
+    """builtin:arith-heldout -> the small-number one-step, one-step, two-step and mixed held-out splits."""
     return [eval_path] if not eval_path.startswith("builtin:arith") else \
         [f"builtin:arith{s}-heldout" for s in ("-1-small", "-1", "-2", "")]
 
