@@ -45,6 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from app.report import read_rows  # noqa: E402
 from benchmarks._common import free_port, summary  # noqa: E402
 
 FLEET = "bench"
@@ -118,13 +119,7 @@ class Run:
 
 
 def _rows(path: Path) -> list[dict]:
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # a line being written
-            pass
-    return rows
+    return read_rows(path)[0]  # a line being written is skipped
 
 
 def _z(rows: list[dict], samples_per_row: int) -> float | None:

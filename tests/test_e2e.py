@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from app.report import proportion_z
+from app.report import proportion_z, read_rows
 from benchmarks._common import descendant_pids
 from common import config as C
 from tests._serve_helpers import free_port
@@ -25,13 +25,7 @@ KILL_AFTER_STEP = 10  # checkpoints every 8 steps: the restore goes back to step
 
 
 def _rows(path: Path) -> list[dict]:
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # a line being written
-            pass
-    return rows
+    return read_rows(path)[0]  # a line being written is skipped
 
 
 class KillTrainWorker(threading.Thread):

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.report import proportion_z
+from app.report import proportion_z, read_rows
 from common import config as C
 from tests._serve_helpers import free_port
 
@@ -36,13 +36,7 @@ STEPS_B = 40  # z was 3.6 at 32 steps: margin over the z > 3 bar
 
 
 def _rows(path: Path) -> list[dict]:
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # a line being written
-            pass
-    return rows
+    return read_rows(path)[0]  # a line being written is skipped
 
 
 @pytest.fixture(scope="module")
