@@ -78,8 +78,9 @@ def fleet_up(cfg: Config, name: str, slots: int, lease_s: float, admin_token: st
         pass
     admin_token = admin_token or os.environ.get(FLEET_TOKEN_ENV) or new_token()
     read_token = read_token or os.environ.get(READ_TOKEN_ENV) or None
-    info = {"model": str(cfg.model.path), "replicas": cfg.rollout.replicas, "http_port": cfg.rollout.http_port,
-            "max_num_seqs": cfg.rollout.max_num_seqs}
+    info = {"model": str(cfg.model.path), "model_realpath": os.path.realpath(cfg.model.path),
+            "dtype": cfg.model.dtype, "fp32_head": cfg.model.fp32_head, "replicas": cfg.rollout.replicas,
+            "http_port": cfg.rollout.http_port, "max_num_seqs": cfg.rollout.max_num_seqs}
     # On the node `fleet up` runs on (the head, typically): the fleet's state outlives worker nodes.
     state = FleetState.options(name=app, namespace=NAMESPACE, lifetime="detached", **on_driver_node()).remote(
         name, app, slots, cfg.rollout.max_lora_rank, digest(admin_token), digest(read_token), lease_s, info)
@@ -171,6 +172,22 @@ def _down(name: str) -> None:
 
 # ---------------------------------------------------------------------- a run's lease
 
+def engine_mismatch(cfg: Config, fleet: dict) -> str | None:
+    """Why a run cannot train against this fleet's engines (`FleetState.describe()`), or None: its adapter
+    must be a delta on the weights the fleet serves, and its behaviour logprobs must come from the dtype and
+    head precision the trainer computes in."""
+    name = fleet.get("fleet")
+    mine, theirs = os.path.realpath(cfg.model.path), fleet.get("model_realpath")
+    if theirs and mine != theirs:
+        return (f"model.path {cfg.model.path} is not the model fleet {name} serves ({fleet.get('model')}): the "
+                "run's adapter would be trained on other weights than it is sampled with")
+    for key, value in (("dtype", cfg.model.dtype), ("fp32_head", cfg.model.fp32_head)):
+        if key in fleet and fleet[key] != value:
+            return (f"model.{key} {value} differs from fleet {name}'s engines ({fleet[key]}): the trainer's and the "
+                    "engines' logprobs would not match")
+    return None
+
+
 class FleetLease:
     """A training run attached to a fleet: `attach` (at once, or waiting for slots with run.fleet_wait), a
     thread that renews the lease every lease_s / 4, and `detach` at the end. If the driver dies, renewals stop
@@ -196,6 +213,9 @@ class FleetLease:
             raise FleetAttachError(f"attaching to fleet {self.fleet} needs its admin token: set {FLEET_TOKEN_ENV} "
                                    "(printed by `fleet up`) or run.fleet_token")
         state = _state(self.fleet)
+        mismatch = engine_mismatch(self.cfg, ray.get(state.describe.remote()))
+        if mismatch:
+            raise FleetAttachError(mismatch)
         meta = {"out_dir": str(self.cfg.run_dir), "pid": os.getpid()}
         while True:
             try:

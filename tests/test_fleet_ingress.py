@@ -112,3 +112,18 @@ def test_a_runs_token_changes_only_its_own_adapters():
     assert own.status_code == 200 and json.loads(own.body)["name"] == "a/policy-v1"
     assert [c for c in replicas[0].calls if c[0] == "unload_adapter"] == [("unload_adapter", 1, "a")]
     assert _delete(routes, "b/policy-v1", ADMIN).status_code == 200  # the fleet's admin token may
+
+
+def test_a_run_must_train_the_model_the_fleet_serves(tmp_path):
+    from app.fleet import engine_mismatch
+    from common import config as C
+
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = C.load("recipes/tiny-cpu.yaml", [f"model.path={model}", "model.build_tiny=false"])
+    fleet = {"fleet": "f", "model": str(model), "model_realpath": str(model.resolve()), "dtype": "float32",
+             "fp32_head": False}
+    assert engine_mismatch(cfg, fleet) is None
+    assert "is not the model fleet f serves" in engine_mismatch(cfg, dict(fleet, model_realpath="/other/model"))
+    assert "model.dtype float32 differs" in engine_mismatch(cfg, dict(fleet, dtype="bfloat16"))
+    assert "model.fp32_head False differs" in engine_mismatch(cfg, dict(fleet, fp32_head=True))
