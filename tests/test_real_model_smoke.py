@@ -12,6 +12,7 @@ import pytest
 
 from app.data import DataError, arith_heldout, arith_task, load_prompts
 from app.rewards import boxed_math_reward, first_boxed_math_reward
+from common import config as C
 from common.config import DataConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,7 +82,8 @@ def test_smoke_run_writes_the_record_and_plot(tmp_path):
                            *sets], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     doc = json.loads((out / "real_model_smoke.json").read_text())
-    assert doc["error"] is None and doc["task"] == "builtin:arith-1" and doc["eval_task"] == "builtin:arith-1-heldout"
+    recipe = C.load(str(REPO / "recipes" / "real-gemma3-270m.yaml"))
+    assert doc["error"] is None and doc["task"] == recipe.data.path and doc["eval_task"] == recipe.eval.path
     assert doc["reward"] == "app.rewards:first_boxed_math_reward" and doc["eval_samples"] == 8
     assert doc["steps"] == 4 and doc["step_seconds_p50"] > 0
     assert 0 < doc["train_minutes"] < doc["wall_minutes_with_startup"]
