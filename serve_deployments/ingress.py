@@ -111,10 +111,6 @@ class Ingress:
         self._status = ServiceStatus(self._pool, self._runs, self._admission, num_replicas)
         add_scrub_roots(str(model_path).rstrip("/"), os.path.realpath(model_path))
 
-    @property
-    def _versions(self):
-        return self._runs.base
-
     async def _known(self, run: str) -> None:
         """A fleet ingress that restarted learns the attached runs back from FleetState (at most every 2 s)."""
         if not run or self._fleet is None or run in self._runs.runs() or time.monotonic() - self._synced_at < 2:
