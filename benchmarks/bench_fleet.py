@@ -5,11 +5,19 @@ vLLM and DeepSpeed on a local Ray cluster this process owns (`ray.cluster_utils.
     python -m app bench fleet                    # K = 1, 2; 40 steps per run
     python -m app bench fleet --ks 1,2,4         # also four runs at once (slots >= 4 x 4)
     python -m app bench fleet --quick            # K = 2; 4 steps per run (a smoke check, not a measurement)
+    # one GPU, in two calls (each mode fits one); the second adds its mode to the first's JSON:
+    python -m app bench fleet --recipe recipes/gpu-1x.yaml --ks 2,4 --steps 60 --modes shared --name fleet_gpu
+    python -m app bench fleet --recipe recipes/gpu-1x.yaml --ks 2,4 --steps 60 --modes sequential \
+        --name fleet_gpu --merge-into benchmarks/results/fleet_gpu.json
 
-Every run is recipes/tiny-cpu.yaml on the embedded tiny model, started as a user starts it: a driver
-subprocess `python -m app train` joining the cluster through RAY_ADDRESS (one train worker, one rollout
-worker, no checkpoints, no evaluation, a fixed number of steps). Run i of every mode has the same config
-(train.seed = data.shuffle_seed = i), so the modes train the same runs.
+Every run is the recipe (--recipe, default recipes/tiny-cpu.yaml) on its model.path, built once here first
+when model.build_tiny (as the driver's preflight builds it), started as a user starts it: a driver
+subprocess `python -m app train` joining the cluster through RAY_ADDRESS (one train worker, no checkpoints,
+no evaluation, a fixed number of steps; one rollout worker on CPU). Run i of every mode has the same config
+(train.seed = data.shuffle_seed = i), so the modes train the same runs. A GPU recipe (train.use_gpu) puts
+everything on ONE GPU: the K trainers and the replicas each get --gpu-fraction of it (default
+1 / (max K + replicas), rounded down to 0.05), in both modes, and the engine keeps the recipe's
+gpu_memory_utilization.
 
 - shared: one fleet (`app.fleet.fleet_up`, --replicas, --slots adapter slots) is started once, its start timed
   on its own; for each K, K runs attach at once (`train --fleet`). Wall time: from launching the K drivers to
@@ -24,13 +32,18 @@ worker, no checkpoints, no evaluation, a fixed number of steps). Run i of every 
 
 Goals (docs/FLEET.md): shared <= 0.7 x sequential wall time at K = 2, reward z > 3 for every run (first vs
 last quarter of its steps, app.report.proportion_z), shares within 15% of fair (1 / K). Prints a table and
-writes benchmarks/results/fleet.json and fleet.png (fleet_quick.* with --quick; --out DIR to put them
-elsewhere): wall time per K per mode, and each run's reward curve.
+writes benchmarks/results/fleet.json and fleet.png (fleet_quick.* with --quick; --name and --out to put them
+elsewhere): wall time per K per mode, and each run's reward curve. The JSON is rewritten after every group
+of runs, so a call cut short keeps what it measured. --modes picks shared, sequential or both; --merge-into
+FILE adds this call's results to FILE's (same recipe, steps, replicas, GPU fraction; the newer call's
+shared K or sequential run replaces the older's) and analyses and plots them together; --seq-from N makes
+only the sequential runs N.. (a third call when K runs one after another do not fit one).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -39,6 +52,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,13 +65,62 @@ from benchmarks._common import free_port, summary  # noqa: E402
 FLEET = "bench"
 ADMIN = "bench-fleet-admin-token"
 RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
+MODES = ("shared", "sequential")
 LEASE_S = 30.0
 POLL_S = 3.0  # fleet_status and progress lines; a run's end is caught at once by its own waiter thread
 PROGRESS_S = 20.0
-SLOTS_PER_RUN = 4  # max_staleness 2 + 2 (tiny-cpu, no evaluation)
 QUICK_STEPS = 4
 RUN_TIMEOUT_S = 3600.0  # per group of runs: a run that hangs fails the benchmark instead of blocking it
+GPU_STEP = 0.05  # GPU fractions are multiples of this (Ray keeps resources to 1e-4; 0.05 reads well)
 GOAL_RATIO, GOAL_Z, GOAL_SHARE_DEV = 0.7, 3.0, 0.15
+# What a merged file and this call must agree on, or the modes would not measure the same runs.
+SAME_SETUP = ("recipe", "steps", "replicas", "gpu_fraction", "samples_per_row", "lease_s")
+
+
+# ---------------------------------------------------------------------------------------- the setup
+
+
+@dataclass
+class Setup:
+    """What every run and the fleet share: the recipe, the model built from it, and the overrides (the GPU
+    fractions first, then the user's --set)."""
+
+    recipe: Path
+    model: Path
+    steps: int
+    replicas: int
+    extra: list[str]
+    gpu: bool
+
+    def run_sets(self, name: str, seed: int, out_dir: Path) -> list[str]:
+        sets = [f"run.name={name}", f"run.out_dir={out_dir}", f"train.seed={seed}", f"data.shuffle_seed={seed}",
+                f"train.total_steps={self.steps}", "train.num_workers=1", "checkpoint.every=0", "eval.path=null",
+                f"rollout.replicas={self.replicas}", "rollout.proxy_location=HeadOnly"]
+        # On CPU one rollout worker per run spares the 2 cores; on a GPU the recipe's workers x groups_per_worker
+        # are what keep the engine's batch full (gpu-1x: 48 groups, three steps in flight), so they stay.
+        return sets + ([] if self.gpu else ["rollout.workers=1"]) + self.extra + self.model_sets
+
+    @property
+    def model_sets(self) -> list[str]:
+        """Last, over any --set model.path: the model built here, by its absolute path."""
+        return [f"model.path={self.model}", "model.build_tiny=false"]
+
+
+def gpu_fraction(kmax: int, replicas: int) -> float:
+    """The share of the one GPU each trainer and each replica reserves: K trainers and the replicas fit."""
+    return round(math.floor(1.0 / (kmax + replicas) / GPU_STEP + 1e-9) * GPU_STEP, 4)
+
+
+def gpu_sets(fraction: float) -> list[str]:
+    return [f"train.gpus_per_worker={fraction}", f"rollout.gpus_per_replica={fraction}"]
+
+
+def cluster_cpus(cfg, kmax: int, replicas: int, gpu: bool) -> int:
+    """Logical CPUs of the head: enough to place K train workers and the replicas (and the router's 0.1).
+    On CPU at least K + 2 x replicas, as the tiny recipe always had (0.4 each there): the machine's real
+    cores are what the runs share. On a GPU machine its cores (the recipes reserve 2 per worker and replica)."""
+    need = math.ceil(kmax * cfg.train.cpus_per_worker + replicas * cfg.rollout.cpus_per_replica + 0.1)
+    return max(os.cpu_count() or 1, need) if gpu else max(4, kmax + 2 * replicas, need)
 
 
 # ---------------------------------------------------------------------------------------- one run
@@ -79,19 +142,17 @@ class Run:
     def metrics(self) -> Path:
         return self.out_dir / self.name / "metrics.jsonl"
 
-    def start(self, model: Path, steps: int, replicas: int, fleet: str | None, address: str,
-              extra: list[str]) -> None:
-        sets = [f"model.path={model}", "model.build_tiny=false", f"run.name={self.name}", f"run.out_dir={self.out_dir}",
-                f"train.seed={self.seed}", f"data.shuffle_seed={self.seed}", f"train.total_steps={steps}",
-                "train.num_workers=1", "rollout.workers=1", "checkpoint.every=0", "eval.path=null",
-                f"rollout.replicas={replicas}", "rollout.proxy_location=HeadOnly", *extra]
+    def start(self, setup: Setup, fleet: str | None, address: str) -> None:
+        sets = setup.run_sets(self.name, self.seed, self.out_dir)
         if fleet is None:  # a service of its own; Serve keeps the port it first started with, but keep it free
             sets.append(f"rollout.http_port={free_port()}")
-        cmd = [sys.executable, "-m", "app", "train", "--config", str(RECIPE), "--no-progress"]
+        cmd = [sys.executable, "-m", "app", "train", "--config", str(setup.recipe), "--no-progress"]
         cmd += ["--fleet", fleet] if fleet else []
         for s in sets:
             cmd += ["--set", s]
-        env = dict(os.environ, RAY_ADDRESS=address, LORA_GRPO_FLEET_TOKEN=ADMIN, PYTHONPATH=str(REPO),
+        # The repository first, then whatever PYTHONPATH holds (the GPU machine's dependencies live there).
+        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, RAY_ADDRESS=address, LORA_GRPO_FLEET_TOKEN=ADMIN, PYTHONPATH=pythonpath,
                    TOKENIZERS_PARALLELISM="false", RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="600")
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.out_dir / f"{self.name}.log"
@@ -212,17 +273,18 @@ def _max_dev(shares: dict[str, float] | None, fair: float) -> float | None:
     return round(max(abs(s - fair) / fair for s in shares.values()), 4) if shares else None
 
 
+
 # ---------------------------------------------------------------------------------------- a group of runs
 
 
-def run_group(label: str, runs: list[Run], model: Path, steps: int, replicas: int, fleet: str | None,
-              address: str, extra: list[str]) -> tuple[float, Shares | None]:
+def run_group(label: str, runs: list[Run], setup: Setup, fleet: str | None,
+              address: str) -> tuple[float, Shares | None]:
     """Start `runs` at once and wait for the last to exit, polling the fleet's token counts (fleet runs) and
     printing progress. Returns (wall seconds from the first launch to the last exit, the shares seen)."""
     shares = Shares([r.name for r in runs]) if fleet else None
     t0 = time.time()
     for r in runs:
-        r.start(model, steps, replicas, fleet, address, extra)
+        r.start(setup, fleet, address)
     last_print = t0
     try:
         while any(r.ended is None for r in runs):
@@ -233,7 +295,7 @@ def run_group(label: str, runs: list[Run], model: Path, steps: int, replicas: in
                 shares.poll(fleet)
             if time.time() - last_print >= PROGRESS_S:
                 last_print = time.time()
-                steps_now = ", ".join(f"{r.name} {len(r.rows())}/{steps}" + ("" if r.ended is None else " done")
+                steps_now = ", ".join(f"{r.name} {len(r.rows())}/{setup.steps}" + ("" if r.ended is None else " done")
                                       for r in runs)
                 tokens = f"; tokens {shares.last}" if shares is not None and shares.last else ""
                 print(f"  {label}: {time.time() - t0:.0f}s, steps {steps_now}{tokens}", flush=True)
@@ -251,12 +313,12 @@ def run_group(label: str, runs: list[Run], model: Path, steps: int, replicas: in
 # ---------------------------------------------------------------------------------------- the benchmark
 
 
-def fleet_config(model: Path, replicas: int, slots: int, port: int, extra: list[str]):
+def fleet_config(setup: Setup, slots: int, port: int):
     from common import config as C
 
-    return C.load(str(RECIPE), [f"model.path={model}", "model.build_tiny=false", f"rollout.replicas={replicas}",
-                                f"rollout.http_port={port}", "rollout.proxy_location=HeadOnly",
-                                f"sync.max_loras={slots}", *extra])
+    return C.load(str(setup.recipe), [f"rollout.replicas={setup.replicas}", f"rollout.http_port={port}",
+                                      "rollout.proxy_location=HeadOnly", f"sync.max_loras={slots}", *setup.extra,
+                                      *setup.model_sets])
 
 
 def _p(xs: list[float]) -> dict:
@@ -264,59 +326,67 @@ def _p(xs: list[float]) -> dict:
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()}
 
 
-def bench(work: Path, model: Path, ks: list[int], steps: int, replicas: int, slots: int, extra: list[str],
-          samples_per_row: int) -> dict:
+def bench_shared(work: Path, setup: Setup, ks: list[int], slots: int, samples_per_row: int, address: str,
+                 res: dict, save: Callable[[], None]) -> None:
+    """One fleet, started once; each K attaches K runs at once. Fills res["shared"] and the fleet's keys."""
+    from app.fleet import fleet_down, fleet_up
+
+    print(f"fleet up: {setup.replicas} replica(s), {slots} adapter slots", flush=True)
+    t0 = time.time()
+    try:
+        up = fleet_up(fleet_config(setup, slots, free_port()), FLEET, slots, LEASE_S, admin_token=ADMIN)
+    except Exception as e:
+        res["fleet_error"] = f"{type(e).__name__}: {e}"[-3000:]
+        print(f"fleet up failed: {res['fleet_error']}", flush=True)
+        up = None
+    res["fleet_start_s"] = round(time.time() - t0, 1)
+    print(f"fleet up: {res['fleet_start_s']:.0f}s", flush=True)
+    if up is None:
+        return
+    try:
+        for k in ks:
+            runs = [Run(f"k{k}-r{i}", i, work / f"shared-k{k}") for i in range(k)]
+            wall, shares = run_group(f"shared K={k}", runs, setup, FLEET, address)
+            res["shared"][k] = {"wall_s": round(wall, 1), "shares": shares.result(),
+                                "runs": [run_record(r, setup.steps, samples_per_row) for r in runs]}
+            save()
+    finally:
+        try:
+            fleet_down(FLEET, ADMIN)
+        except Exception as e:  # reported; the sequential runs still go (their own services)
+            res["fleet_down_error"] = f"{type(e).__name__}: {e}"[-3000:]
+            print(f"fleet down failed: {res['fleet_down_error']}", flush=True)
+
+
+def bench_sequential(work: Path, setup: Setup, seeds: range, samples_per_row: int, address: str, res: dict,
+                     save: Callable[[], None]) -> None:
+    """Runs `seeds` one after another, each with its own service (no fleet on the cluster by then). Runs are
+    independent, so K runs one after another are the first K of these: res["sequential_runs"]."""
+    for i in seeds:
+        run = Run(f"seq-r{i}", i, work / "sequential")
+        run_group(f"sequential run {i + 1}/{seeds.stop}", [run], setup, None, address)
+        rec = run_record(run, setup.steps, samples_per_row)
+        rec["service_start_s"] = _service_start_s(run.log_tail(10 ** 7))
+        res["sequential_runs"].append(rec)
+        save()
+
+
+def bench(work: Path, setup: Setup, ks: list[int], modes: list[str], seq_from: int, slots: int,
+          samples_per_row: int, cpus: int, save: Callable[[dict], None]) -> dict:
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from app.fleet import fleet_down, fleet_up
-
-    kmax = max(ks)
-    # Logical CPUs: enough to place the fleet's replicas and K train workers (0.4 each in tiny-cpu); the machine's
-    # real cores are what the runs share.
-    cpus = max(4, kmax + 2 * replicas)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "include_dashboard": False})
+    head = {"num_cpus": cpus, "num_gpus": 1 if setup.gpu else 0, "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     ray.init(address=cluster.address, log_to_driver=False)
-    out: dict = {"shared": {}, "sequential": {}, "cluster_cpus": cpus}
+    res: dict = {"shared": {}, "sequential_runs": [], "cluster_cpus": cpus, "cluster_gpus": head["num_gpus"]}
     try:
-        # ---- shared: one fleet, started once; each K attaches K runs at once.
-        print(f"fleet up: {replicas} replica(s), {slots} adapter slots", flush=True)
-        t0 = time.time()
-        try:
-            up = fleet_up(fleet_config(model, replicas, slots, free_port(), extra), FLEET, slots, LEASE_S,
-                          admin_token=ADMIN)
-        except Exception as e:
-            out["fleet_error"] = f"{type(e).__name__}: {e}"[-3000:]
-            print(f"fleet up failed: {out['fleet_error']}", flush=True)
-            up = None
-        out["fleet_start_s"] = round(time.time() - t0, 1)
-        print(f"fleet up: {out['fleet_start_s']:.0f}s", flush=True)
-        if up is not None:
-            try:
-                for k in ks:
-                    runs = [Run(f"k{k}-r{i}", i, work / f"shared-k{k}") for i in range(k)]
-                    wall, shares = run_group(f"shared K={k}", runs, model, steps, replicas, FLEET, cluster.address,
-                                             extra)
-                    out["shared"][k] = {"wall_s": round(wall, 1), "shares": shares.result(),
-                                        "runs": [run_record(r, steps, samples_per_row) for r in runs]}
-            finally:
-                try:
-                    fleet_down(FLEET, ADMIN)
-                except Exception as e:  # reported; the sequential runs still go (their own services)
-                    out["fleet_down_error"] = f"{type(e).__name__}: {e}"[-3000:]
-                    print(f"fleet down failed: {out['fleet_down_error']}", flush=True)
-        # ---- sequential: each run with its own service, one after another (the fleet is down).
-        seq = []
-        for i in range(kmax):
-            run = Run(f"seq-r{i}", i, work / "sequential")
-            run_group(f"sequential run {i + 1}/{kmax}", [run], model, steps, replicas, None, cluster.address, extra)
-            rec = run_record(run, steps, samples_per_row)
-            rec["service_start_s"] = _service_start_s(run.log_tail(10 ** 7))
-            seq.append(rec)
-        for k in ks:
-            walls = [r["wall_s"] for r in seq[:k]]
-            out["sequential"][k] = {"wall_s": round(sum(walls), 1) if None not in walls else None, "runs": seq[:k]}
+        if "shared" in modes:
+            bench_shared(work, setup, ks, slots, samples_per_row, cluster.address, res, lambda: save(res))
+        if "sequential" in modes:
+            bench_sequential(work, setup, range(seq_from, max(ks)), samples_per_row, cluster.address, res,
+                             lambda: save(res))
     finally:
         try:
             serve.shutdown()
@@ -324,7 +394,55 @@ def bench(work: Path, model: Path, ks: list[int], steps: int, replicas: int, slo
             print(f"  (serve shutdown: {e})", flush=True)
         ray.shutdown()
         cluster.shutdown()
+    return res
+
+
+# ---------------------------------------------------------------------------------------- results, merged
+
+
+SHARED_KEYS = ("fleet_start_s", "fleet_error", "fleet_down_error")
+
+
+def merge_results(old: dict, new: dict, modes: list[str]) -> dict:
+    """`old` (an earlier call's results) with this call's: its shared K's and sequential runs replace the
+    earlier ones of the same K / run; the fleet's start and errors are the latest shared call's."""
+    out = {"shared": {**old.get("shared", {}), **new["shared"]},
+           "sequential_runs": sorted({**{r["name"]: r for r in old.get("sequential_runs", [])},
+                                      **{r["name"]: r for r in new["sequential_runs"]}}.values(),
+                                     key=lambda r: r["seed"])}
+    for key in SHARED_KEYS:
+        src = new if "shared" in modes else old
+        if key in src:
+            out[key] = src[key]
+    for key in ("cluster_cpus", "cluster_gpus"):
+        out[key] = new.get(key, old.get(key))
     return out
+
+
+def with_sequential(res: dict, ks: list[int]) -> dict:
+    """res["sequential"][K]: runs 0..K-1 one after another, for every K whose runs are all there."""
+    by_seed = {r["seed"]: r for r in res["sequential_runs"]}
+    seq = {}
+    for k in ks:
+        if all(i in by_seed for i in range(k)):
+            walls = [by_seed[i]["wall_s"] for i in range(k)]
+            seq[k] = {"wall_s": round(sum(walls), 1) if None not in walls else None,
+                      "runs": [by_seed[i] for i in range(k)]}
+    return {**res, "sequential": seq}
+
+
+def read_merge(path: Path) -> dict:
+    """An earlier call's JSON, its K keys ints again (JSON made them strings)."""
+    doc = json.loads(path.read_text())
+    res = doc["results"]
+    res["shared"] = {int(k): v for k, v in res.get("shared", {}).items()}
+    res.setdefault("sequential_runs", [])
+    return doc
+
+
+def setup_mismatch(old: dict, new: dict) -> list[str]:
+    return [f"{k}: {old.get(k)!r} in the merged file, {new.get(k)!r} here" for k in SAME_SETUP
+            if old.get(k) != new.get(k)]
 
 
 def analyse(res: dict, ks: list[int]) -> dict:
@@ -335,7 +453,8 @@ def analyse(res: dict, ks: list[int]) -> dict:
         row: dict = {}
         if sh and sq and sq["wall_s"]:
             row["wall_ratio_shared_over_sequential"] = round(sh["wall_s"] / sq["wall_s"], 3)
-            row["wall_ratio_with_fleet_start"] = round((sh["wall_s"] + res["fleet_start_s"]) / sq["wall_s"], 3)
+            start = res.get("fleet_start_s") or 0
+            row["wall_ratio_with_fleet_start"] = round((sh["wall_s"] + start) / sq["wall_s"], 3)
         for mode, m in (("shared", sh), ("sequential", sq)):
             if not m:
                 continue
@@ -364,7 +483,7 @@ def print_table(doc: dict) -> None:
           f"{'sync p50 shared/seq':>20}  z (shared | sequential)")
     for k, row in doc["per_k"].items():
         def f(x, fmt):
-            return format(x, fmt) if isinstance(x, (int, float)) else "-"
+            return format(x, fmt) if isinstance(x, (int, float)) else "-".rjust(int(fmt.split(".")[0] or 0))
         sync = (f"{f(row.get('shared_publish_to_served_s', {}).get('p50'), '.3f')}/"
                 f"{f(row.get('sequential_publish_to_served_s', {}).get('p50'), '.3f')}")
         zs = " ".join(f(z, ".1f") for z in row.get("shared_z", {}).values())
@@ -399,12 +518,11 @@ def plot(doc: dict, path: Path) -> None:
     a.set_ylabel("wall seconds")
     a.set_title("K runs: one fleet vs one after another")
     a.legend(fontsize=8)
-    for mode, style in (("shared", "-"), ("sequential", "--")):
-        for k, m in res[mode].items():
-            if mode == "sequential" and k != max(ks):  # the same runs as the largest K's
-                continue
-            for r in m["runs"]:
-                b.plot(range(1, len(r["rewards"]) + 1), r["rewards"], style, label=f"{mode} K={k} {r['name']}")
+    curves = [(f"shared K={k} {r['name']}", "-", r) for k, m in res["shared"].items() for r in m["runs"]]
+    # Every sequential run once: K runs one after another are the first K of them.
+    curves += [(f"sequential {r['name']}", "--", r) for r in res.get("sequential_runs", [])]
+    for label, style, r in curves:
+        b.plot(range(1, len(r["rewards"]) + 1), r["rewards"], style, label=label)
     b.set_xlabel("step")
     b.set_ylabel("batch reward mean")
     b.set_title("reward per step, each run")
@@ -414,49 +532,127 @@ def plot(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def build_model(cfg) -> Path:
+    """The recipe's model, where the runs will read it: built first when model.build_tiny, by the call the
+    driver's preflight makes (app.tiny_model.ensure_model, the recipe's shape and seed), so K runs started at
+    once do not all build it. A relative path is the repository's: the runs start there."""
+    from app.tiny_model import ensure_model
+
+    path = Path(cfg.model.path)
+    path = path if path.is_absolute() else REPO / path
+    built = Path(ensure_model(path, cfg.model.build_tiny, cfg.model.tiny_seed, cfg.model.tiny_shape))
+    if "torch" in sys.modules:  # the small shape pretrains on the GPU: leave its memory to the runs
+        import torch
+
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    return built
+
+
+def write(doc: dict, out: Path, name: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    plot(doc, out / f"{name}.png")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default=str(RECIPE.relative_to(REPO)),
+                   help="the runs' and the fleet's recipe (default recipes/tiny-cpu.yaml; a GPU one: all on one GPU)")
     p.add_argument("--ks", default="1,2", help="comma-separated numbers of runs (default 1,2; 4 works too)")
     p.add_argument("--steps", type=int, default=40, help="train.total_steps of every run")
     p.add_argument("--replicas", type=int, default=1, help="vLLM replicas: the fleet's, and each sequential run's")
-    p.add_argument("--slots", type=int, default=None, help=f"the fleet's adapter slots (default {SLOTS_PER_RUN} x "
+    p.add_argument("--slots", type=int, default=None, help="the fleet's adapter slots (default (max_staleness + 2) x "
                                                            "max K; at least that)")
+    p.add_argument("--gpu-fraction", type=float, default=None,
+                   help="GPU recipes: train.gpus_per_worker and rollout.gpus_per_replica of every run and the fleet "
+                        f"(default 1 / (max K + replicas) rounded down to {GPU_STEP}; the merged file's with "
+                        "--merge-into)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated: shared, sequential (default both)")
+    p.add_argument("--seq-from", type=int, default=0, help="sequential mode: make runs N .. max K - 1 only")
+    p.add_argument("--merge-into", default=None, metavar="FILE",
+                   help="an earlier call's JSON: write its results and this call's together (to --out/--name)")
     p.add_argument("--quick", action="store_true", help=f"K = 2 at {QUICK_STEPS} steps: a smoke check")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--name", default=None, help="output file names NAME.json / NAME.png (default fleet, "
+                                                "fleet_quick with --quick)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config overrides for every run and the fleet")
     args = p.parse_args(argv)
     ks = [2] if args.quick else sorted({int(k) for k in args.ks.split(",")})
     steps = QUICK_STEPS if args.quick else args.steps
-    slots = args.slots or SLOTS_PER_RUN * max(ks)
-    if slots < SLOTS_PER_RUN * max(ks):
-        p.error(f"--slots {slots}: {max(ks)} runs need {SLOTS_PER_RUN} adapter slots each")
+    modes = [m for m in args.modes.split(",") if m]
+    if set(modes) - set(MODES):
+        p.error(f"--modes {args.modes}: each of {', '.join(MODES)}")
+    if not 0 <= args.seq_from < max(ks):
+        p.error(f"--seq-from {args.seq_from}: sequential runs are 0 .. {max(ks) - 1}")
+    recipe = Path(args.recipe)
+    recipe = recipe if recipe.is_absolute() or recipe.exists() else REPO / recipe
+    old = read_merge(Path(args.merge_into)) if args.merge_into else None
 
-    from app.tiny_model import ensure_model
     from common import config as C
 
-    cfg = C.load(str(RECIPE), args.set)
+    cfg = C.load(str(recipe), args.set)
+    gpu = cfg.train.use_gpu
+    fraction = None
+    if gpu:
+        fraction = args.gpu_fraction or (old or {}).get("gpu_fraction") or gpu_fraction(max(ks), args.replicas)
+        if fraction < GPU_STEP or fraction * (max(ks) + args.replicas) > 1 + 1e-9:
+            p.error(f"GPU fraction {fraction}: {max(ks)} trainers and {args.replicas} replica(s) must each get at "
+                    f"least {GPU_STEP} of the one GPU and fit on it together; fewer runs (--ks) or a smaller "
+                    "--gpu-fraction")
+        cfg = C.load(str(recipe), gpu_sets(fraction) + args.set)
+    slots_per_run = cfg.sync.max_staleness + 2  # no evaluation in these runs
+    slots = args.slots or slots_per_run * max(ks)
+    if slots < slots_per_run * max(ks):
+        p.error(f"--slots {slots}: {max(ks)} runs need {slots_per_run} adapter slots each")
     samples_per_row = cfg.grpo.prompts_per_step * cfg.grpo.group_size
-    model = ensure_model(REPO / "runs" / "tiny-model")
-    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
-        res = bench(Path(tmp), Path(model), ks, steps, args.replicas, slots, args.set, samples_per_row)
-    doc = {"command": " ".join(["python -m app bench fleet", *(argv if argv is not None else sys.argv[1:])]),
-           "quick": args.quick, "ks": ks, "steps": steps, "replicas": args.replicas, "slots": slots,
-           "lease_s": LEASE_S, "samples_per_row": samples_per_row, "overrides": args.set,
-           "machine": f"{platform.machine()}, {os.cpu_count()} cores", "fleet_start_s": res.get("fleet_start_s"),
-           "goals": {"wall_ratio_at_k2_le": GOAL_RATIO, "z_gt": GOAL_Z, "share_rel_dev_le": GOAL_SHARE_DEV},
-           **analyse(res, ks), "results": res}
-    print_table(doc)
+    name = args.name or ("fleet_quick" if args.quick else "fleet")
+    command = " ".join(["python -m app bench fleet", *(argv if argv is not None else sys.argv[1:])])
+    head = {"recipe": str(recipe.resolve().relative_to(REPO) if recipe.resolve().is_relative_to(REPO) else recipe),
+            "quick": args.quick, "steps": steps, "replicas": args.replicas, "gpu_fraction": fraction,
+            "lease_s": LEASE_S, "samples_per_row": samples_per_row}
+    if old is not None and (bad := setup_mismatch(old, head)):
+        p.error(f"--merge-into {args.merge_into}: not the same runs ({'; '.join(bad)})")
+
+    try:
+        model = build_model(cfg)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    setup = Setup(recipe, model, steps, args.replicas, (gpu_sets(fraction) if gpu else []) + args.set, gpu)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "fleet_quick" if args.quick else "fleet"
-    (out / f"{name}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    plot(doc, out / f"{name}.png")
+    all_ks = sorted(set(ks) | set((old or {}).get("ks", [])))
+
+    def document(res: dict) -> dict:
+        merged = merge_results(old["results"], res, modes) if old else res
+        merged = with_sequential(merged, all_ks)
+        return {"command": command, "commands": [*((old.get("commands") or [old["command"]]) if old else []), command],
+                **head, "modes": [m for m in MODES if m in modes or m in (old or {}).get("modes", [])],
+                "model": str(model), "ks": all_ks, "slots": slots if "shared" in modes or not old else old.get("slots"),
+                "overrides": args.set, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                "fleet_start_s": merged.get("fleet_start_s"),
+                "goals": {"wall_ratio_at_k2_le": GOAL_RATIO, "z_gt": GOAL_Z, "share_rel_dev_le": GOAL_SHARE_DEV},
+                **analyse(merged, all_ks), "results": merged}
+
+    def save(res: dict) -> None:  # after every group: a call cut short keeps what it measured
+        write(document(res), out, name)
+
+    cpus = cluster_cpus(cfg, max(ks), args.replicas, gpu)
+    print(f"recipe {head['recipe']}, model {model}, K {ks}, modes {modes}, {steps} steps, {cpus} CPUs"
+          + (f", GPU fraction {fraction} each" if gpu else ""), flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
+        res = bench(Path(tmp), setup, ks, modes, args.seq_from, slots, samples_per_row, cpus, save)
+    doc = document(res)
+    print_table(doc)
+    write(doc, out, name)
     print(f"wrote {out / (name + '.json')} and .png", flush=True)
-    ok = "fleet_error" not in res and all(
-        r["finished"] for mode in ("shared", "sequential") for m in res[mode].values() for r in m["runs"])
-    ok = ok and all(k in res["shared"] and k in res["sequential"] for k in ks)
-    return 0 if ok else 1
+    # This call's own work decides the exit code; a merged file's gaps are the other call's.
+    ok = "fleet_error" not in res if "shared" in modes else True
+    ok = ok and all(k in res["shared"] for k in ks) if "shared" in modes else ok
+    ok = ok and len(res["sequential_runs"]) == max(ks) - args.seq_from if "sequential" in modes else ok
+    runs = [r for m in res["shared"].values() for r in m["runs"]] + res["sequential_runs"]
+    return 0 if ok and all(r["finished"] for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Smoke test of the benchmarks: each one's --quick mode runs as a subprocess (its own Ray / vLLM),
-exits 0 and writes its JSON with the expected keys into a tmp dir. No timing asserts.
+exits 0 and writes its JSON with the expected keys into a tmp dir. No timing asserts. Those marked `bench`
+take minutes and run paths other tests cover; the default run leaves them out (pyproject's addopts):
+`pytest -m bench` runs them.
 
 One test function per benchmark; add yours below."""
 from __future__ import annotations
@@ -58,6 +60,7 @@ def test_bench_lora_overhead_quick(tmp_path):
     assert rows["base"]["ratio_vs_base"] == 1.0
 
 
+@pytest.mark.bench  # the policies' routing is in test_router_serve; this runs the whole benchmark
 def test_routing_quick(tmp_path):
     doc = run_quick("routing", tmp_path, timeout=420)
     assert doc["quick"] is True
@@ -88,6 +91,7 @@ def test_trainer_quick(tmp_path):
     assert all(r["adapter_bytes"] > 0 for r in doc["results"])
 
 
+@pytest.mark.bench  # sync mode end to end is in test_job_submit; this runs the whole benchmark
 def test_async_vs_sync_quick(tmp_path):
     doc = run_quick("async_vs_sync", tmp_path, timeout=600)
     assert set(doc["results"]) == {"sync", "async"}
