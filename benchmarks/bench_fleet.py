@@ -555,6 +555,13 @@ def write(doc: dict, out: Path, name: str) -> None:
     plot(doc, out / f"{name}.png")
 
 
+def _device() -> str:
+    """The GPU the runs shared (its name, as torch reports it), or "CPU"."""
+    import torch
+
+    return f"1 x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "CPU"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default=str(RECIPE.relative_to(REPO)),
@@ -630,7 +637,7 @@ def main(argv=None) -> int:
         return {"command": command, "commands": [*((old.get("commands") or [old["command"]]) if old else []), command],
                 **head, "modes": [m for m in MODES if m in modes or m in (old or {}).get("modes", [])],
                 "model": str(model), "ks": all_ks, "slots": slots if "shared" in modes or not old else old.get("slots"),
-                "overrides": args.set, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                "overrides": args.set, "machine": f"{platform.machine()}, {os.cpu_count()} cores", "device": _device(),
                 "fleet_start_s": merged.get("fleet_start_s"),
                 "goals": {"wall_ratio_at_k2_le": GOAL_RATIO, "z_gt": GOAL_Z, "share_rel_dev_le": GOAL_SHARE_DEV},
                 **analyse(merged, all_ks), "results": merged}
