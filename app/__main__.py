@@ -51,7 +51,8 @@ def cmd_train(argv: list[str]) -> int:
                    help="stream Ray, Serve, vLLM and DeepSpeed logs to the console (by default they go to "
                         "RUN_DIR/logs/ and Ray's session log directory)")
     p.add_argument("--resume", metavar="RUN_DIR",
-                   help="continue RUN_DIR (stopped by Ctrl-C or killed) from its newest checkpoint, in RUN_DIR, "
+                   help="continue RUN_DIR (stopped by Ctrl-C, killed, or stopped with exit 1 because the cluster "
+                        "could no longer place it: run.placement_timeout_s) from its newest checkpoint, in RUN_DIR, "
                         "with its config.yaml (--set still overrides); every prompt of an epoch stays used once")
     p.add_argument("--fleet", metavar="NAME", help="roll out on the shared fleet NAME (`fleet up`) instead of a "
                                                    "service of the run's own; needs LORA_GRPO_FLEET_TOKEN")
@@ -82,7 +83,7 @@ def cmd_train(argv: list[str]) -> int:
     except (ConfigError, DataError, FileNotFoundError, ResumeError, FleetAttachError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (StallError, FleetLeaseLost) as e:
+    except (StallError, FleetLeaseLost) as e:  # incl. UnplaceableError: its line names the checkpoint to resume
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

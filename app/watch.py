@@ -61,6 +61,9 @@ class Progress:
         self._replicas: set | None = None
         self._warned: dict = {}
         self.lease = None  # app.fleet.FleetLease of a run on a fleet: the run ends if the fleet forgot it
+        from app.placement_watch import PlacementWatch
+
+        self.placement = PlacementWatch(cfg)  # UnplaceableError when Ray cannot place the run any more
 
     @property
     def last_step(self) -> int:
@@ -77,7 +80,9 @@ class Progress:
         new = ray.get(self.metrics.get_rows.remote(len(self.rows)))
         if new:
             self._last_progress = self._last_note = time.monotonic()
+            self.placement.reset()
         else:
+            self.placement.check(self.last_step)
             self._watch()
         for row in new:
             self.rows.append(row)
@@ -249,8 +254,11 @@ class TrainOutcome:
 def train_and_watch(trainer, progress: Progress, buffer, worker_runs: list) -> TrainOutcome:
     """`trainer.fit()` in a thread; the driver's thread polls `progress` every second (StallError ends
     the run), fails it when a rollout worker dies, and handles Ctrl-C. Afterwards the buffer closes: the
-    workers stop sampling."""
+    workers stop sampling. On UnplaceableError Ray Train's controller is ended first: its fit waits for a
+    placement that cannot come, and would not see the closed buffer."""
     import ray
+
+    from app.placement_watch import UnplaceableError, abort_train_controller
 
     outcome: dict = {}
     fit = threading.Thread(target=lambda: outcome.update(result=_fit(trainer)), name=FIT_THREAD, daemon=True)
@@ -263,6 +271,9 @@ def train_and_watch(trainer, progress: Progress, buffer, worker_runs: list) -> T
                 _raise_worker_errors(worker_runs)
             progress.poll()
             interrupted = ctrl_c.count > 0
+    except UnplaceableError:
+        abort_train_controller()
+        raise
     finally:
         progress.close()
         ray.get(buffer.close.remote())

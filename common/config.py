@@ -405,6 +405,11 @@ class RunConfig:
     ray_address: str | None = _field(None, "Ray address to join; null = the job's cluster or a new local one.")
     stall_timeout_s: float = _field(600.0, "Fail the run (exit non-zero, with the buffer, registry and replica "
                                            "state) when no step finished and nothing was generated for this long.")
+    placement_timeout_s: float = _field(
+        300.0, "Stop the run (exit 1, one line naming what waits for which resources, resumable from its newest "
+               "checkpoint) when no step finished and Ray could not place its train workers, Serve replicas or "
+               "rollout workers for this long (a lost node, nothing to take its place). Longer than an autoscaler "
+               "takes to add a node (minutes), shorter than run.stall_timeout_s so the clearer reason comes first.")
     loggers: list[LoggerName] = _field(
         ["jsonl"], f"Experiment trackers: any of {_words(LoggerName, ', ')} (jsonl = metrics.jsonl, always on; "
                    "tensorboard -> RUN_DIR/tensorboard/; mlflow -> mlflow_tracking_uri; wandb offline in "
@@ -430,6 +435,7 @@ class RunConfig:
         known = typing.get_args(LoggerName)
         return _broken(
             (self.stall_timeout_s > 0, "run.stall_timeout_s: must be > 0"),
+            (self.placement_timeout_s > 0, f"run.placement_timeout_s: must be > 0, got {self.placement_timeout_s}"),
             (all(name in known for name in self.loggers),
              f"run.loggers: {self.loggers!r} has unknown entries (known: {', '.join(known)})"),
             *((_installed(LOGGER_PACKAGES[name][0]), _missing_logger_message(name))
