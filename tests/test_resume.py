@@ -45,6 +45,15 @@ def _end_group(p: subprocess.Popen) -> None:
     p.wait(timeout=60)
 
 
+def _run_to_exit(args: list[str], log: Path, timeout: float) -> int:
+    """`python -m app train ARGS` to its exit code (its process group ended either way)."""
+    p = _start(args, log)
+    try:
+        return p.wait(timeout=timeout)
+    finally:
+        _end_group(p)
+
+
 def _rows(run_dir: Path) -> list[dict]:
     f = run_dir / "metrics.jsonl"
     if not f.is_file():
@@ -136,11 +145,7 @@ def test_sigkill_then_ctrl_c_then_resume_uses_every_prompt_once(tiny_model_dir, 
 
     # 3. resume to the end
     log3 = tmp_path / "run3.log"
-    p = _start(["--resume", str(run_dir)], log3)
-    try:
-        rc = p.wait(timeout=600)
-    finally:
-        _end_group(p)
+    rc = _run_to_exit(["--resume", str(run_dir)], log3, timeout=600)
     assert rc == 0, log3.read_text()[-4000:]
 
     rows = _rows(run_dir)

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.bench_reliability import data_accounting
 from tests._serve_helpers import free_port
-from tests.test_resume import _checkpoint_steps, _end_group, _rows, _start, _wait_for
+from tests.test_resume import _checkpoint_steps, _end_group, _rows, _run_to_exit, _start, _wait_for
 
 STEPS, PROMPTS, PER_STEP, GROUP = 10, 40, 4, 4  # one epoch
 PLACEMENT_TIMEOUT_S = 10
@@ -100,11 +100,7 @@ def test_unplaceable_run_stops_with_a_checkpoint_and_resumes_once_a_node_is_back
     cluster.add_node(num_cpus=NODE_CPUS)
     cluster.wait_for_nodes()
     log2 = tmp_path / "run2.log"
-    p = _start(["--resume", str(run_dir)], log2)
-    try:
-        rc = p.wait(timeout=400)
-    finally:
-        _end_group(p)
+    rc = _run_to_exit(["--resume", str(run_dir)], log2, timeout=400)
     assert rc == 0, log2.read_text()[-4000:]
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # each step once, none missing
