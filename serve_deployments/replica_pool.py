@@ -9,8 +9,6 @@ it (request_router.py, replica_calls.py). State changes go to every replica with
 """
 from __future__ import annotations
 
-import asyncio
-
 from ray.serve.handle import DeploymentHandle
 
 from common.types import adapter_name
@@ -59,11 +57,13 @@ class ReplicaPool:
 
     async def broadcast(self, method: str, *args, timeout_s: float = BROADCAST_TIMEOUT_S
                         ) -> tuple[list, list[BaseException]]:
-        """`method(*args)` on every replica: (the results, the errors); a timeout is one error."""
+        """`method(*args)` on every replica: (the results, the errors); a timeout is one error, and so is a
+        handle that knows no replica yet (Serve's DeploymentUnavailableError while a restarted controller
+        repopulates it): callers count errors, /health and stats report them instead of failing."""
         try:
             results = await self._handle.broadcast(method, *args).results_async(
                 timeout_s=timeout_s, return_exceptions=True)
-        except (TimeoutError, asyncio.TimeoutError) as e:
+        except Exception as e:  # incl. TimeoutError; cancellation (a BaseException) still propagates
             return [], [e]
         return ([r for r in results if not isinstance(r, BaseException)],
                 [r for r in results if isinstance(r, BaseException)])

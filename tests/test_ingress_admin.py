@@ -136,6 +136,24 @@ def test_health_while_the_replicas_are_unreachable():
     assert not ready and body_["status"] == "starting" and "not reachable (ActorDiedError)" in body_["reason"]
 
 
+def test_health_and_stats_when_the_handle_knows_no_replica():
+    """After a Serve controller restart the replica handle may raise before any replica is asked (Serve's
+    DeploymentUnavailableError, found by `bench chaos`): an error to report, not an exception out of /health."""
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    class NoReplicas(FakeReplicaHandle):
+        def broadcast(self, method: str, *args):
+            raise DeploymentUnavailableError("policy")
+
+    pool = ReplicaPool(NoReplicas([]), None)
+    pool._engine = dict(ENGINE)  # asked once at start, before the controller was lost
+    service = ServiceStatus(pool, served_versions([3]), Admission(8), 2)
+    ready, body_ = asyncio.run(service.health())
+    assert not ready and body_["reason"] == "1 replicas did not answer"
+    st = asyncio.run(service.stats())
+    assert st["replicas"] == [] and len(st["replica_errors"]) == 1 and "policy" in st["replica_errors"][0]
+
+
 def test_stats_gathers_router_admission_and_replicas():
     down = FakeReplica("r2")
     down.fail["stats"] = rex.ActorDiedError()
