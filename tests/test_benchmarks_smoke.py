@@ -33,6 +33,7 @@ def run_quick(name: str, out: Path, timeout: float = 300) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.bench  # publish -> load on every replica, both transports: test_router_serve, test_replica
 def test_bench_adapter_sync_quick(tmp_path):
     doc = run_quick("adapter_sync", tmp_path)
     assert doc["quick"] is True
@@ -85,6 +86,7 @@ def test_router_overhead_quick(tmp_path):
     assert doc["rows"] and {"meta", "rows", "quality"} <= set(doc)
 
 
+@pytest.mark.bench  # Ray Train + DeepSpeed steps and publishes: test_trainer_ray, test_trainer
 def test_trainer_quick(tmp_path):
     doc = run_quick("trainer", tmp_path)
     assert doc["quick"] is True and [r["workers"] for r in doc["results"]] == [1, 2]
