@@ -75,6 +75,7 @@ class RolloutBuffer:
         self._filtered: list[str] = []  # prompt keys of filtered groups, for the next batch's record
         self.filtered_total = self.requeued_failed = self.requeued_stale = self.requeued_reset = 0
         self.rewound = 0
+        self.trainer_starts = 0  # worker-group starts (rank 0 rewinds once per start): restarts = starts - 1
         self._stop = False
         self._env_failures: dict[str, int] = {}  # prompt key -> episodes of it an environment failed
         self.env_requeued = self.env_dropped = 0
@@ -239,7 +240,7 @@ class RolloutBuffer:
         return {"queued": len(self._q), "granted": self.granted, "put_groups": self.put_groups,
                 "taken_groups": self.taken_groups, "dropped_groups": self.dropped_groups,
                 "dropped_samples": self.dropped_samples, "trainer_version": self.trainer_version,
-                "ready_version": self.ready_version,
+                "ready_version": self.ready_version, "trainer_starts": self.trainer_starts,
                 "outstanding": {str(worker): len(slots) for worker, slots in self._outstanding.items() if slots},
                 "reset_slots": self.reset_slots, "orphan_puts": self.orphan_puts,
                 "expired_groups": self.expired_groups,
@@ -261,6 +262,7 @@ class RolloutBuffer:
         """The trainer restored a checkpoint (a train worker group restarted): prompts it took since,
         which that checkpoint's record does not hold, are handed out again. Returns how many."""
         async with self._cond:
+            self.trainer_starts += 1
             requeued = self.source.rewind(consumed)
             self.rewound += requeued
             self._cond.notify_all()

@@ -99,7 +99,10 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, v
             if resume is None:
                 evals.kick(0, None)  # the starting policy, beside the first rollouts
         resume_from = str(resume.checkpoint) if resume is not None else cfg.checkpoint.resume_from
-        trainer = build_trainer(cfg, run_dir, resume_from=resume_from, train_run_name=train_run_name(cfg, resume))
+        # Restarts are bounded by the watch (train.max_restarts in a row without a step), not by Ray Train's
+        # count over the whole run.
+        trainer = build_trainer(cfg, run_dir, resume_from=resume_from, train_run_name=train_run_name(cfg, resume),
+                                max_failures=-1)
         _log_trainer(cfg, held_out)
 
         watch = Progress(cfg, actors.metrics, ingress, actors.buffer, actors.registry, progress, evals,

@@ -26,6 +26,10 @@ class StallError(RuntimeError):
     """No step finished and nothing was generated for `run.stall_timeout_s`."""
 
 
+class RestartsError(StallError):
+    """The train worker group restarted more than `train.max_restarts` times with no step logged between."""
+
+
 def ingress_row_metrics(stats: dict) -> dict:
     """The ingress's stats (`Ingress.stats`) as the numbers a step row carries: vLLM's prefix-cache hit
     rate and the routing policy's counters."""
@@ -64,6 +68,8 @@ class Progress:
         from app.placement_watch import PlacementWatch
 
         self.placement = PlacementWatch(cfg)  # UnplaceableError when Ray cannot place the run any more
+        self.max_restarts = cfg.train.max_restarts
+        self._starts_at_step: int | None = None  # the buffer's trainer_starts when the last step was logged
 
     @property
     def last_step(self) -> int:
@@ -81,6 +87,7 @@ class Progress:
         if new:
             self._last_progress = self._last_note = time.monotonic()
             self.placement.reset()
+            self._starts_at_step = ray.get(self.buffer.stats.remote())["trainer_starts"]
         else:
             self.placement.check(self.last_step)
             self._watch()
@@ -166,6 +173,7 @@ class Progress:
             return
         self._last_note = now
         buf = ray.get(self.buffer.stats.remote())
+        self._check_restarts(buf)
         ongoing = self._ongoing()
         if buf["put_groups"] != self._last_put or ongoing:
             self._last_put = buf["put_groups"]
@@ -178,6 +186,18 @@ class Progress:
                 f"stalled: no step and no generation for {waited:.0f}s (run.stall_timeout_s) while waiting for step "
                 f"{len(self.rows) + 1}; buffer {buf}; registry live versions "
                 f"{ray.get(self.registry.live_versions.remote())}; replicas {self._replica_state()}")
+
+    def _check_restarts(self, buf: dict) -> None:
+        """Ray Train restarts the worker group after any failure (train_loops/trainer.py); more than
+        train.max_restarts restarts since the last logged step (or since the start) is a crash that comes back
+        every time: the run ends with one line."""
+        starts = buf.get("trainer_starts", 0)
+        since = starts - (self._starts_at_step if self._starts_at_step is not None else min(starts, 1))
+        if since > self.max_restarts:
+            raise RestartsError(
+                f"the train worker group restarted {since} times without logging a step (train.max_restarts="
+                f"{self.max_restarts}); last step {self.last_step}; the workers' errors are in the run's logs/ray; "
+                f"python -m app train --resume RUN_DIR continues from the newest checkpoint once the cause is fixed")
 
     def _ongoing(self) -> int:
         try:
@@ -271,7 +291,7 @@ def train_and_watch(trainer, progress: Progress, buffer, worker_runs: list) -> T
                 _raise_worker_errors(worker_runs)
             progress.poll()
             interrupted = ctrl_c.count > 0
-    except UnplaceableError:
+    except (UnplaceableError, RestartsError):
         abort_train_controller()
         raise
     finally:

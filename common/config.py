@@ -265,6 +265,10 @@ class TrainConfig:
     fused_lora: bool = _field(True, "LoRA linears add their update inside the base layer's GEMM, scaling the rank-r "
                                     "activation (train_loops/lora_linear.py): same math, less memory traffic; false = "
                                     "PEFT's own layer.")
+    max_restarts: int = _field(
+        3, "Train worker-group restarts in a row (each restores the newest checkpoint) with no step logged between "
+           "them before the run fails with one line (a crash that comes back every time). A logged step refills the "
+           "budget, so a long run survives any number of faults spread over its life.")
     profile_step: int | None = _field(None, "profile this optimizer step with torch.profiler on rank 0 and write its "
                                             "top ops to RUN_DIR/profile.txt (None: off)")
 
@@ -282,6 +286,7 @@ class TrainConfig:
             (self.liger_kernels != "on" or self.use_gpu,
              "train.liger_kernels: on needs train.use_gpu (Liger's kernels are Triton, GPU only); use auto or off"),
             (self.max_grad_norm >= 0, "train.max_grad_norm: must be >= 0"),
+            (self.max_restarts >= 0, f"train.max_restarts: must be >= 0, got {self.max_restarts}"),
             (self.total_steps >= 1, "train.total_steps: must be >= 1"),
             (self.logprob_chunk >= 1, "train.logprob_chunk: must be >= 1"),
             (self.profile_step is None or self.profile_step >= 1,

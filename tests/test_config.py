@@ -59,6 +59,7 @@ def test_overrides_are_typed(tmp_path):
     (["rollout.kv_cache_gib=0.5"], "rollout.kv_cache_gib"),
     (["train.profile_step=0"], "train.profile_step"),
     (["run.placement_timeout_s=0"], "run.placement_timeout_s"),
+    (["train.max_restarts=-1"], "train.max_restarts"),
     (["model.tiny_shape=huge"], "model.tiny_shape"),
     (["reward.where=remote"], "reward.where"),
     (["grpo.loss=ppo"], "grpo.loss"),

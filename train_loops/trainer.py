@@ -8,16 +8,19 @@ from common.config import Config
 from common.placement import trainer_resources
 from train_loops.worker import WorkerOptions, loop_config, train_loop_per_worker
 
-# Worker-group restarts Ray Train makes (each from the last reported checkpoint) before the run fails.
+# Worker-group restarts Ray Train makes (each from the last reported checkpoint) before the run fails, for callers
+# without a watch of their own. The driver passes -1 (unbounded: Ray Train counts over the whole run, and a long
+# run meets many faults) and bounds restarts in a row with no step between them itself (train.max_restarts).
 MAX_FAILURES = 2
 
 
 def build_trainer(cfg: Config, run_dir: str | Path, *, resume_from: str | None = None,
-                  train_run_name: str | None = None, options: WorkerOptions | None = None):
+                  train_run_name: str | None = None, options: WorkerOptions | None = None,
+                  max_failures: int = MAX_FAILURES):
     """TorchTrainer over `cfg.train.num_workers` workers; `.fit()` runs it.
 
     Checkpoints land under `run_dir/<run.name>/checkpoint_<step>`; Ray keeps `checkpoint.keep` of them.
-    A worker failure restarts the group (up to MAX_FAILURES times) and the loop resumes from the last
+    A worker failure restarts the group (up to `max_failures` times; -1: no limit) and the loop resumes from the last
     reported checkpoint via `ray.train.get_checkpoint()`; `resume_from` (Train V2 has no
     resume_from_checkpoint) travels in the workers' options and is used only when Ray has no checkpoint.
     `options` (default: batches from the RolloutBuffer, the run's named actors) says how the workers run;
@@ -41,6 +44,6 @@ def build_trainer(cfg: Config, run_dir: str | Path, *, resume_from: str | None =
             name=train_run_name or cfg.run.name,
             storage_path=str(Path(run_dir).resolve()),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            failure_config=FailureConfig(max_failures=MAX_FAILURES),
+            failure_config=FailureConfig(max_failures=max_failures),
         ),
     )
