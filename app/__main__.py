@@ -83,7 +83,7 @@ def cmd_train(argv: list[str]) -> int:
     except (ConfigError, DataError, FileNotFoundError, ResumeError, FleetAttachError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (StallError, FleetLeaseLost) as e:  # incl. UnplaceableError: its line names the checkpoint to resume
+    except (StallError, FleetLeaseLost) as e:  # incl. UnplaceableError, RestartsError: their line says how to resume
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -268,6 +268,10 @@ class RolloutBuffer:
             self._cond.notify_all()
             return requeued
 
+    async def starts(self) -> int:
+        """Worker-group starts so far (`trainer_starts`), without the rest of `stats` (the watch asks every step)."""
+        return self.trainer_starts
+
     async def request_stop(self) -> None:
         """Ctrl-C in the driver: the trainer checkpoints after its current step and ends."""
         self._stop = True

@@ -137,10 +137,12 @@ class PlacementWatch:
         self.timeout = cfg.run.placement_timeout_s
         self.every = min(LOOK_EVERY_S, self.timeout / 4)
         self._since: float | None = None
-        self._last_look = 0.0
+        self._last_look = self._last_step = time.monotonic()
 
     def reset(self) -> None:
+        """A step arrived: nothing waits, and the tables need no look until steps stop for `every` seconds."""
         self._since = None
+        self._last_step = time.monotonic()
 
     def look(self) -> list[Waiting]:
         job = _job_id()
@@ -149,7 +151,7 @@ class PlacementWatch:
 
     def check(self, last_step: int) -> None:
         now = time.monotonic()
-        if now - self._last_look < self.every:
+        if now - self._last_step < self.every or now - self._last_look < self.every:
             return
         self._last_look = now
         try:

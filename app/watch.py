@@ -87,7 +87,7 @@ class Progress:
         if new:
             self._last_progress = self._last_note = time.monotonic()
             self.placement.reset()
-            self._starts_at_step = ray.get(self.buffer.stats.remote())["trainer_starts"]
+            self._starts_at_step = ray.get(self.buffer.starts.remote())
         else:
             self.placement.check(self.last_step)
             self._watch()
@@ -274,8 +274,9 @@ class TrainOutcome:
 def train_and_watch(trainer, progress: Progress, buffer, worker_runs: list) -> TrainOutcome:
     """`trainer.fit()` in a thread; the driver's thread polls `progress` every second (StallError ends
     the run), fails it when a rollout worker dies, and handles Ctrl-C. Afterwards the buffer closes: the
-    workers stop sampling. On UnplaceableError Ray Train's controller is ended first: its fit waits for a
-    placement that cannot come, and would not see the closed buffer."""
+    workers stop sampling. On UnplaceableError or RestartsError Ray Train's controller is ended first: its fit
+    waits for a placement that cannot come, or restarts the crashing group again, and would not see the closed
+    buffer."""
     import ray
 
     from app.placement_watch import UnplaceableError, abort_train_controller
