@@ -228,22 +228,49 @@ def baseline(args, cfg, command: str) -> dict:
     prompts = [render_prompt(r, tok, data) for r in load_prompts(data)[:8]]
     sampled = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                            SamplingParams(temperature=1.0, max_tokens=48, logprobs=0, seed=1), use_tqdm=False)
-    model = build_lora_model(cfg).eval()
-    # The trainer as configured (model.fp32_head like the engine), and with the other head on the same tokens:
-    # how much of the gap the LM head's rounding is, without the noise of a second sample.
-    diffs: dict[bool, list[float]] = {cfg.model.fp32_head: [], not cfg.model.fp32_head: []}
-    for ids, o in zip(prompts, sampled):
-        toks = list(o.outputs[0].token_ids)
-        engine = torch.tensor([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, toks)])
-        full, n, T = torch.tensor([ids + toks]), len(ids), len(toks)
+    # The trainer as configured, and variants on the same tokens (no second sample's noise): the other LM head
+    # (model.fp32_head), and on a GPU without Liger's kernels and without the fused LoRA GEMM, so the gap can be
+    # traced to a part of the trainer.
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    trainers = {"as configured": cfg}
+    if dev == "cuda":
+        off = dataclasses.replace(cfg.train, liger_kernels="off")
+        trainers["liger off"] = dataclasses.replace(cfg, train=off)
+        trainers["liger off, fused_lora off"] = dataclasses.replace(
+            cfg, train=dataclasses.replace(off, fused_lora=False))
+    # float32: the precision floor: how far each bf16 side (engine, trainer) is from the same model in fp32.
+    trainers["float32"] = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"))
+    gap: dict[str, dict] = {}
+    per_token: dict[str, list[float]] = {}
+    for name, tcfg in trainers.items():
+        model = build_lora_model(tcfg).eval().to(dev)
+        diffs: dict[bool, list[float]] = {cfg.model.fp32_head: [], not cfg.model.fp32_head: []}
+        for ids, o in zip(prompts, sampled):
+            toks = list(o.outputs[0].token_ids)
+            engine = torch.tensor([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, toks)])
+            full, n, T = torch.tensor([ids + toks], device=dev), len(ids), len(toks)
+            for fp32_head, d in diffs.items():
+                with torch.no_grad():
+                    lp, _ = sequence_logprobs(model, full, torch.ones_like(full),
+                                              torch.arange(n - 1, n - 1 + T, device=dev)[None],
+                                              torch.tensor([toks], device=dev), torch.ones(1, T, device=dev),
+                                              chunk=1024, fp32_head=fp32_head)
+                d += (lp[0].float().cpu() - engine).abs().tolist()
+                if fp32_head == cfg.model.fp32_head:
+                    per_token.setdefault(name, []).extend(lp[0].float().cpu().tolist())
         for fp32_head, d in diffs.items():
-            with torch.no_grad():
-                lp, _ = sequence_logprobs(model, full, torch.ones_like(full), torch.arange(n - 1, n - 1 + T)[None],
-                                          torch.tensor([toks]), torch.ones(1, T), chunk=1024, fp32_head=fp32_head)
-            d += (lp[0].float() - engine).abs().tolist()
-    gap = {fp32_head: {"trainer_fp32_head": fp32_head, "tokens": len(d), "mean_abs_diff": statistics.fmean(d),
-                       "median_abs_diff": statistics.median(d), "max_abs_diff": max(d),
-                       "sampling": "temperature 1.0, 8 prompts x 48"} for fp32_head, d in diffs.items()}
+            key = name if fp32_head == cfg.model.fp32_head else f"{name}, other head"
+            gap[key] = {"trainer_fp32_head": fp32_head, "liger": getattr(model, "liger_kernels", None),
+                        "fused_lora": tcfg.train.fused_lora, "tokens": len(d), "mean_abs_diff": statistics.fmean(d),
+                        "median_abs_diff": statistics.median(d), "max_abs_diff": max(d),
+                        "sampling": "temperature 1.0, 8 prompts x 48"}
+            print(f"trainer ({key}) vs vLLM: mean |log ratio| {gap[key]['mean_abs_diff']:.4f}", flush=True)
+        del model
+    if "float32" in per_token:  # the configured trainer against its own fp32 self: the trainer's share of the gap
+        d = [abs(a - b) for a, b in zip(per_token["as configured"], per_token["float32"])]
+        gap["as configured vs float32 trainer"] = {"tokens": len(d), "mean_abs_diff": statistics.fmean(d),
+                                                   "median_abs_diff": statistics.median(d), "max_abs_diff": max(d)}
+        print(f"trainer (as configured) vs float32 trainer: mean |diff| {statistics.fmean(d):.4f}", flush=True)
     import platform
 
     return {"model": cfg.model.path, "dtype": cfg.torch_dtype, "fp32_head": cfg.model.fp32_head,
@@ -251,8 +278,9 @@ def baseline(args, cfg, command: str) -> dict:
             "max_new_tokens": cfg.grpo.max_new_tokens, "device": f"cpu ({os.cpu_count()} cores, {platform.machine()})"
             if not torch.cuda.is_available() else torch.cuda.get_device_name(0),
             "results": results,
-            "trainer_vs_vllm_logprobs": gap[cfg.model.fp32_head],
-            "trainer_other_head_vs_vllm_logprobs": gap[not cfg.model.fp32_head],
+            "trainer_vs_vllm_logprobs": gap["as configured"],
+            "trainer_other_head_vs_vllm_logprobs": gap["as configured, other head"],
+            "trainer_variants_vs_vllm_logprobs": gap,
             "seconds": time.time() - t0, "command": command}
 
 
