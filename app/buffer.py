@@ -75,7 +75,7 @@ class RolloutBuffer:
         self._filtered: list[str] = []  # prompt keys of filtered groups, for the next batch's record
         self.filtered_total = self.requeued_failed = self.requeued_stale = self.requeued_reset = 0
         self.rewound = 0
-        self.trainer_starts = 0  # worker-group starts (rank 0 rewinds once per start): restarts = starts - 1
+        self.trainer_starts = 0  # worker-group starts (rank 0 counts each first thing): restarts = starts - 1
         self._stop = False
         self._env_failures: dict[str, int] = {}  # prompt key -> episodes of it an environment failed
         self.env_requeued = self.env_dropped = 0
@@ -262,11 +262,16 @@ class RolloutBuffer:
         """The trainer restored a checkpoint (a train worker group restarted): prompts it took since,
         which that checkpoint's record does not hold, are handed out again. Returns how many."""
         async with self._cond:
-            self.trainer_starts += 1
             requeued = self.source.rewind(consumed)
             self.rewound += requeued
             self._cond.notify_all()
             return requeued
+
+    async def count_start(self) -> int:
+        """A train worker group started (its rank 0 says so before loading anything, so a start that crashes
+        counts too: app/watch.py's restart budget). Returns the count."""
+        self.trainer_starts += 1
+        return self.trainer_starts
 
     async def starts(self) -> int:
         """Worker-group starts so far (`trainer_starts`), without the rest of `stats` (the watch asks every step)."""

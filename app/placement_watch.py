@@ -180,6 +180,24 @@ class PlacementWatch:
                 f"{cluster_line([w.need for w in waiting])}; waited {waited:.0f}s (run.placement_timeout_s); {where}")
 
 
+def wait_service_running(cfg: Config, app_name: str, last_step: int = 0, poll_s: float = 0.5) -> None:
+    """Until Serve reports `app_name` RUNNING. RuntimeError when its deployment failed (a replica's constructor
+    raised); UnplaceableError once some of its replicas waited run.placement_timeout_s in a row for a node. A
+    placed replica may take as long as its engine needs to start: Serve's own health checks bound that."""
+    from ray import serve
+
+    watch = PlacementWatch(cfg)
+    while True:
+        st = serve.status().applications.get(app_name)
+        status = str(getattr(st, "status", ""))
+        if status.endswith("RUNNING"):
+            return
+        if status.endswith("DEPLOY_FAILED"):
+            raise RuntimeError(f"Deploying application {app_name} failed: {st.message}")
+        watch.check(last_step)
+        time.sleep(poll_s)
+
+
 def abort_train_controller() -> None:
     """End this job's Ray Train controller, so `trainer.fit()` returns now instead of waiting out Ray Train's
     worker-group start timeout for a placement that cannot come. Its placement group goes with it (Ray

@@ -16,17 +16,23 @@ logger = logging.getLogger("app")
 _SERVING: dict = {}
 
 
-def start_rollout_service(cfg: Config, registry, verbose: bool = False):
+def start_rollout_service(cfg: Config, registry, verbose: bool = False, last_step: int = 0):
     """The run's Serve app (the ingress in front of rollout.replicas vLLM replicas), once every replica is
     healthy; returns the ingress handle. Serve's controller and proxy log to RUN_DIR/logs/serve, WARNING
-    and up unless verbose; a Serve instance already running keeps its own settings."""
+    and up unless verbose; a Serve instance already running keeps its own settings. A replica that no node
+    can hold ends the start after run.placement_timeout_s with UnplaceableError (`last_step`: where a
+    resumed run stands, for its line)."""
+    from functools import partial
+
     from ray.serve.schema import LoggingConfig
 
+    from app.placement_watch import wait_service_running
     from serve_deployments.app_builder import start_service, wait_healthy
 
     logging_config = LoggingConfig(log_level="INFO" if verbose else "WARNING",
                                    logs_dir=str(cfg.run_dir / "logs" / "serve"), enable_access_log=verbose)
-    ingress = start_service(cfg, registry=registry, logging_config=logging_config)
+    ingress = start_service(cfg, registry=registry, logging_config=logging_config,
+                            wait_running=partial(wait_service_running, cfg, last_step=last_step))
     wait_healthy(ingress)
     return ingress
 

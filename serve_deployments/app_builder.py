@@ -64,10 +64,13 @@ def max_inflight_per_replica(cfg: Config) -> int:
 
 
 def start_service(cfg: Config, registry_name: str | None = None, registry_namespace: str | None = None,
-                  registry=None, logging_config: LoggingConfig | None = None) -> serve.handle.DeploymentHandle:
+                  registry=None, logging_config: LoggingConfig | None = None,
+                  wait_running=None) -> serve.handle.DeploymentHandle:
     """Start Serve (HTTP on rollout.http_port; `logging_config` for its controller and proxy), run the app
     (name rollout.app_name, route prefix "/") and attach the registry to it, so publishes load on every
-    replica. Returns the ingress handle."""
+    replica. Returns the ingress handle. `serve.run` waits for the app without a bound (a replica no node
+    can hold waits forever); with `wait_running(app_name)` the app is deployed without waiting and that
+    callable does the waiting (and may give up: app/placement_watch.wait_service_running)."""
     import ray
 
     from common.placement import on_driver_node
@@ -82,8 +85,13 @@ def start_service(cfg: Config, registry_name: str | None = None, registry_namesp
     # No-op (with a warning) when Serve already runs, e.g. on another port in tests: it keeps its settings.
     serve.start(proxy_location=cfg.rollout.proxy_location, logging_config=logging_config,
                 http_options={"host": "0.0.0.0", "port": cfg.rollout.http_port})
-    handle = serve.run(build_app(cfg, registry_name, registry_namespace), name=cfg.rollout.app_name,
-                       route_prefix="/")
+    app = build_app(cfg, registry_name, registry_namespace)
+    if wait_running is None:
+        handle = serve.run(app, name=cfg.rollout.app_name, route_prefix="/")
+    else:
+        handle = serve.run_many([serve.RunTarget(app, name=cfg.rollout.app_name, route_prefix="/")],
+                                wait_for_applications_running=False)[0]
+        wait_running(cfg.rollout.app_name)
     ray.get(registry.attach_ingress.remote(cfg.rollout.app_name))
     return handle
 

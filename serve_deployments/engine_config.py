@@ -54,7 +54,7 @@ def engine_kwargs(cfg: Config) -> dict:
     r = cfg.rollout
     kwargs = {
         "model": str(cfg.model.path),
-        "dtype": cfg.torch_dtype,  # the trainer's dtype: behaviour and trainer logprobs must agree
+        "dtype": cfg.torch_dtype,  # model.dtype; the trainer's too unless train.dtype sets it apart
         "max_model_len": cfg.model.max_model_len,
         "seed": cfg.train.seed,
         "enable_lora": True,

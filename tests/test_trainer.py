@@ -137,6 +137,23 @@ def test_zero3_kl_tis_micro_batches_only_lora_changes_and_resumes(tmp_path):
     assert all(torch.equal(adapter[k], resumed[k]) for k in adapter)
 
 
+def test_trainer_dtype_apart_from_the_engines():
+    """train.dtype float32 under a bfloat16 model: the engines keep bf16, the trainer's weights, DeepSpeed's
+    config and its memory budget are fp32 (the trainer scores the engine's samples against the fp32 model)."""
+    from serve_deployments.engine_config import engine_kwargs
+    from train_loops.deepspeed_setup import ds_config
+    from train_loops.lora import build_lora_model
+
+    cfg = small_config(tiny_model(), model={"dtype": "bfloat16"}, train={"dtype": "float32"})
+    assert (cfg.torch_dtype, cfg.trainer_dtype) == ("bfloat16", "float32")
+    assert engine_kwargs(cfg)["dtype"] == "bfloat16"
+    ds = ds_config(cfg, world_size=1)
+    assert not ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    assert {p.dtype for p in build_lora_model(cfg).parameters()} == {torch.float32}
+    same = small_config(tiny_model(), model={"dtype": "bfloat16"})  # auto: the engines' dtype
+    assert same.trainer_dtype == "bfloat16" and ds_config(same, world_size=1)["bf16"]["enabled"]
+
+
 def test_unknown_target_module_is_a_clear_config_error(tmp_path):
     from train_loops.lora import build_lora_model
 

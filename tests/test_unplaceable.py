@@ -1,10 +1,11 @@
-"""A run the cluster can no longer place (issue 22), on CPU with the real pipeline: a local cluster (a head with
-no CPU, as a head that only coordinates, and one worker node), `python -m app train` as a subprocess joining
-it. Once a step after a checkpoint was logged the worker node is removed: Ray Train's worker group and the Serve
-replicas have nowhere to go. The driver stops within run.placement_timeout_s plus a bound, exit 1, with one
-line naming what waits and the checkpoint; once a node is added again `--resume RUN_DIR` trains the remaining
-steps: metrics.jsonl has steps 1..N exactly once and no prompt is lost, doubled or skipped. Plus, without
-Ray: which actor records count as waiting, and the line's wording."""
+"""Node loss and a run the cluster can no longer place (issue 22), on CPU with the real pipeline: a local
+cluster (a head with no CPU holding the driver and the run's own actors, three 2-CPU worker nodes), `python -m
+app train` as a subprocess joining it. The node of a replica and then the node of a train worker are removed
+and survived; once a step after a checkpoint was logged the last worker node goes, and the driver stops within
+run.placement_timeout_s plus a bound, exit 1, with one line naming what waits and the checkpoint; once a node
+is added again `--resume RUN_DIR` trains the remaining steps: metrics.jsonl has steps 1..N exactly once and no
+prompt is lost, doubled or skipped. Also: a service start that no node can hold ends with the same line, and
+(without Ray) which actor records count as waiting."""
 from __future__ import annotations
 
 import json
@@ -16,12 +17,12 @@ from benchmarks.bench_reliability import data_accounting
 from tests._serve_helpers import free_port
 from tests.test_resume import _checkpoint_steps, _end_group, _rows, _run_to_exit, _start, _wait_for
 
-STEPS, PROMPTS, PER_STEP, GROUP = 10, 40, 4, 4  # one epoch
+STEPS, PROMPTS, PER_STEP, GROUP = 14, 56, 4, 4  # one epoch
 PLACEMENT_TIMEOUT_S = 10
-# Ray notices a removed node within ~30 s (health checks), then Ray Train asks for a new worker group; the
+# Ray notices a removed node within seconds (FAST_HEALTH), then Ray Train asks for a new worker group; the
 # driver looks every few seconds and tears down (Serve app, actors) after the timeout.
 EXIT_BOUND_S = PLACEMENT_TIMEOUT_S + 90
-NODE_CPUS = 2  # a replica (0.4), the ingress (0.1) and a train worker (0.4)
+NODE_CPUS = 2  # the run fits one node: a replica (0.4), the ingress (0.1), a train worker (0.4), a rollout worker
 
 
 def _record(cls: str, state: str = "PENDING_CREATION", port: int = 0, job: str = "01000000", need=None) -> dict:
@@ -48,36 +49,73 @@ def test_only_the_runs_unplaced_actors_count():
     assert actors_waiting(records[:1] + records[2:4], "policy", "01000000") == []
 
 
+# Ray's node health checks, faster than the defaults (5 failures 3 s apart) so a removed node is noticed in
+# seconds: the test waits on that three times.
+FAST_HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
+               "health_check_failure_threshold": 3}
+
+
 @pytest.fixture
 def cluster():
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    c.add_node(num_cpus=NODE_CPUS)
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                      "_system_config": FAST_HEALTH})
+    for _ in range(3):
+        c.add_node(num_cpus=NODE_CPUS)
     c.wait_for_nodes()
     yield c
     c.shutdown()
 
 
+def _node_holding(cluster, cls: str):
+    """The worker node (of those left) where a live actor of class `cls` runs, from the GCS's actor table."""
+    from benchmarks.bench_node_loss import _actors_by_node
+
+    held = _actors_by_node()
+    node = next((n for n in cluster.worker_nodes if any(cls in c for c in held.get(n.node_id, []))), None)
+    assert node is not None, f"no worker node holds a {cls}: {held}"
+    return node
+
+
 @pytest.mark.slow
-def test_unplaceable_run_stops_with_a_checkpoint_and_resumes_once_a_node_is_back(cluster, tiny_model_dir,
-                                                                                  tmp_path):
+def test_nodes_lost_then_unplaceable_stops_with_a_checkpoint_and_resumes(cluster, tiny_model_dir, tmp_path):
+    """The whole multi-node story in one run (a head without CPU holding the driver and the run's own actors,
+    three 2-CPU worker nodes; one replica, one rollout worker, one train worker):
+    1. the node of a vLLM replica is removed, then the node of a train worker: the run goes on (steps after
+       each), on the node left;
+    2. once a step after a checkpoint was logged the last worker node goes: Ray Train's worker group and the
+       replicas have nowhere to go, and the driver stops within run.placement_timeout_s plus a bound, exit 1,
+       with one line naming what waits and the checkpoint;
+    3. a node is added again and `--resume RUN_DIR` trains the remaining steps: metrics.jsonl has steps 1..N
+       exactly once and no prompt is lost, doubled or skipped across the two processes and three node losses."""
+    import ray
+
     out, name = tmp_path / "runs", "unplaceable"
     run_dir = out / name
     sets = [f"model.path={tiny_model_dir}", "model.build_tiny=false", f"run.out_dir={out}", f"run.name={name}",
             f"run.ray_address={cluster.address}", f"train.total_steps={STEPS}", "checkpoint.every=2",
             f"data.builtin_size={PROMPTS}", f"grpo.prompts_per_step={PER_STEP}", f"grpo.group_size={GROUP}",
-            "grpo.max_new_tokens=8", "eval.path=null", "rollout.replicas=1", "train.num_workers=1",
-            "rollout.workers=1", f"rollout.http_port={free_port()}", "rollout.proxy_location=HeadOnly",
+            "grpo.max_new_tokens=8", "eval.path=null", f"rollout.http_port={free_port()}",
+            "rollout.replicas=1", "train.num_workers=1", "rollout.workers=1",  # each start costs less on 2 cores
+            "rollout.proxy_location=HeadOnly",  # the nodes share one machine's ports
             "run.log_every=1", "run.stall_timeout_s=600", f"run.placement_timeout_s={PLACEMENT_TIMEOUT_S}"]
     cli = ["--config", "recipes/tiny-cpu.yaml", *[a for s in sets for a in ("--set", s)]]
-
-    # 1. the worker node goes once a step after the first checkpoint was logged: nothing can be placed
     log1 = tmp_path / "run1.log"
+    ray.init(address=cluster.address, log_to_driver=False)  # the test reads the actor table; its own job
     p = _start(cli, log1)
     try:
-        _wait_for(p, log1, lambda: _checkpoint_steps(run_dir) and any(
-            r["step"] > min(_checkpoint_steps(run_dir)) for r in _rows(run_dir)), "a step after the first checkpoint")
+        last = lambda: max((r["step"] for r in _rows(run_dir)), default=0)  # noqa: E731
+        # 1. a replica's node, then a train worker's: each survived once a later step is logged
+        for cls in ("RolloutReplica", "RayTrainWorker"):
+            _wait_for(p, log1, lambda: last() >= 2, "a step")
+            node = _node_holding(cluster, cls)
+            at = last()
+            cluster.remove_node(node, allow_graceful=False)
+            _wait_for(p, log1, lambda at=at: last() > at + 1, f"a step after losing the node of a {cls}")
+        # 2. the last worker node goes once a step after a checkpoint was logged: nothing can be placed
+        _wait_for(p, log1, lambda: _checkpoint_steps(run_dir) and last() > max(_checkpoint_steps(run_dir)),
+                  "a step after a checkpoint")
         for node in list(cluster.worker_nodes):
             cluster.remove_node(node, allow_graceful=False)
         removed = time.monotonic()
@@ -85,6 +123,7 @@ def test_unplaceable_run_stops_with_a_checkpoint_and_resumes_once_a_node_is_back
         stopped_after = time.monotonic() - removed
     finally:
         _end_group(p)
+        ray.shutdown()
     text = log1.read_text()
     assert rc == 1, text[-4000:]
     assert stopped_after < EXIT_BOUND_S, (stopped_after, text[-3000:])
@@ -95,8 +134,7 @@ def test_unplaceable_run_stops_with_a_checkpoint_and_resumes_once_a_node_is_back
     assert "Ray Train's 1 worker needs {CPU: 0.4}" in line or "RolloutReplica replica needs {CPU: 0.4}" in line, line
     assert f"(checkpoint step {ckpt}); add nodes, then python -m app train --resume {run_dir}" in line, line
     assert not (run_dir / "summary.json").exists()
-
-    # 2. a node is back: --resume trains the rest on it
+    # 3. a node is back: --resume trains the rest on it
     cluster.add_node(num_cpus=NODE_CPUS)
     cluster.wait_for_nodes()
     log2 = tmp_path / "run2.log"
@@ -110,3 +148,35 @@ def test_unplaceable_run_stops_with_a_checkpoint_and_resumes_once_a_node_is_back
     zero = ("step_rows_duplicated", "step_rows_missing", "samples_lost", "samples_doubled", "prompts_replayed",
             "prompts_skipped")
     assert {k: data[k] for k in zero} == dict.fromkeys(zero, 0), data
+
+
+@pytest.mark.slow
+def test_service_start_that_no_node_can_hold_ends_with_one_line(tiny_model_dir, tmp_path):
+    """`serve.run` waits without a bound while a replica has no node: the run's service start deploys
+    without waiting and gives up after run.placement_timeout_s with the line that names what waits."""
+    import ray
+    from ray import serve
+
+    from app.placement_watch import UnplaceableError
+    from app.service import start_rollout_service
+    from common.registry import get_or_create_registry
+    from tests._serve_helpers import small_config
+
+    cfg = small_config(tiny_model_dir, cpus_per_replica=2.0, http_port=free_port(), app_name="unplaceable-start")
+    cfg.run.placement_timeout_s = 3
+    cfg.run.out_dir = str(tmp_path)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        registry = get_or_create_registry()
+        t0 = time.monotonic()
+        with pytest.raises(UnplaceableError) as err:
+            start_rollout_service(cfg, registry)
+        waited = time.monotonic() - t0
+        line = str(err.value)
+        assert "Serve's 1 RolloutReplica replica needs {CPU: 2}, 0 of 1 running" in line, line
+        assert "the cluster has {CPU:" in line and "free of {CPU: 1}" in line, line
+        assert "run.placement_timeout_s" in line and "start the run again" in line, line
+        assert waited < 60, waited
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -52,8 +52,8 @@ def ds_config(cfg: Config, world_size: int, overrides: dict | None = None) -> di
         "gradient_accumulation_steps": 1,
         "gradient_clipping": float(t.max_grad_norm),
         "zero_optimization": {"stage": t.zero_stage},
-        "bf16": {"enabled": cfg.torch_dtype == "bfloat16"},
-        "fp16": {"enabled": cfg.torch_dtype == "float16"},
+        "bf16": {"enabled": cfg.trainer_dtype == "bfloat16"},
+        "fp16": {"enabled": cfg.trainer_dtype == "float16"},
         # Our optimizer is plain torch AdamW (DeepSpeed's own ones compile on CPU).
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,

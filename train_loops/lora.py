@@ -55,8 +55,8 @@ def apply_lora(model, cfg: Config):
 
 
 def build_lora_model(cfg: Config, model_path: str | None = None):
-    """The trainer's model: base from cfg.model.path (dtype per config), LoRA applied."""
-    model = load_base_model(model_path or cfg.model.path, cfg.torch_dtype)
+    """The trainer's model: base from cfg.model.path (in `Config.trainer_dtype`), LoRA applied."""
+    model = load_base_model(model_path or cfg.model.path, cfg.trainer_dtype)
     from train_loops.fused_kernels import apply_liger
 
     model.liger_kernels = apply_liger(model, cfg, on_gpu=cfg.train.use_gpu and torch.cuda.is_available())

@@ -118,6 +118,7 @@ class GRPOWorker:
         self.cfg, self.options = cfg, options
         use_run_namespace(cfg)
         self.runner, self.source = options.runner, options.batch_source
+        self._count_start()  # first: a start that crashes below (model load, restore) must count too
         init_distributed(cfg.train.use_gpu)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = self._device()
@@ -295,7 +296,7 @@ class GRPOWorker:
         t = self.cfg.train
         if t.max_tokens_per_micro_batch is not None:
             return t.max_tokens_per_micro_batch
-        dtype_bytes = 4 if self.cfg.torch_dtype == "float32" else 2
+        dtype_bytes = 4 if self.cfg.trainer_dtype == "float32" else 2
         liger = liger_applied(getattr(self.model, "liger_kernels", "off"))
         mine = auto_budget(self.model.config, self.device, dtype_bytes, t.gradient_checkpointing,
                            self.cfg.model.max_model_len, t.logprob_chunk, liger=liger)
@@ -377,6 +378,10 @@ class GRPOWorker:
         there is none (no Ray: torchrun)."""
         if self.rank != 0 or self.source != "buffer":
             return None
+        return self._find_buffer_actor()
+
+    @staticmethod
+    def _find_buffer_actor():
         from common.ray_utils import named_actor
 
         try:
@@ -391,6 +396,20 @@ class GRPOWorker:
         path = Path(self.options.record_dir)
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+    def _count_start(self) -> None:
+        """Rank 0 tells the buffer a worker group started: the driver's restart budget (app/watch.py) counts
+        starts with no step between. Ray Train's rank, since torch.distributed is not up yet."""
+        if self.runner != "ray" or self.source != "buffer":
+            return
+        import ray
+        import ray.train
+
+        if ray.train.get_context().get_world_rank() != 0:
+            return
+        buffer = self._find_buffer_actor()
+        if buffer is not None:
+            ray.get(buffer.count_start.remote())
 
     def _rewind_buffer(self) -> None:
         """After a restore: prompts the buffer handed to steps this checkpoint does not hold (they died
