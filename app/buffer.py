@@ -263,6 +263,11 @@ class RolloutBuffer:
         which that checkpoint's record does not hold, are handed out again. Returns how many."""
         async with self._cond:
             requeued = self.source.rewind(consumed)
+            # Each prompt taken since the checkpoint was a put group holding its slot: the slots go back with
+            # the prompts. Kept, they count batches the restored trainer never trained as generated, pacing
+            # (`_may_grant`) grants nothing until versions it cannot reach without them: a deadlock
+            # (bench chaos, M = 20 seed 1: ten lost steps' slots against a lead of two).
+            self.granted -= requeued
             self.rewound += requeued
             self._cond.notify_all()
             return requeued

@@ -200,6 +200,24 @@ def test_buffer_requeues_stale_groups_and_rewinds():
     asyncio.run(go())
 
 
+def test_rewind_gives_back_the_lost_steps_slots():
+    """A restored trainer needs batches again that its lost steps took: their slots come back with the prompts,
+    or pacing (slots counted past ready_version + lead) grants nothing and the run deadlocks."""
+    async def go():
+        b = _buffer(max_staleness=1, per_step=1)  # lead 1: slots of batches 0 and 1 while version 0 is ready
+        for v in range(2):  # two steps took their groups; no checkpoint holds them
+            g = await b.acquire(worker_id=0, timeout=1)
+            await b.put(_group(g["epoch"], g["row"]["id"], version=v), worker_id=0)
+            await b.get_batch(v, 1, timeout=1)
+        assert (await b.stats())["granted"] == 2
+        assert await b.rewind(ConsumedPrompts().to_state()) == 2
+        assert (await b.stats())["granted"] == 0
+        again = [await b.acquire(worker_id=0, timeout=1) for _ in range(2)]  # no TimeoutError: granted again
+        assert all(a is not None for a in again)
+
+    asyncio.run(go())
+
+
 def test_buffer_resumed_from_a_record_skips_it():
     async def go():
         b = _buffer(consumed=ConsumedPrompts({0: {"p0", "p1", "p2", "p3", "p4"}}).to_state(), max_staleness=5,
