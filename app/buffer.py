@@ -241,6 +241,7 @@ class RolloutBuffer:
                 "taken_groups": self.taken_groups, "dropped_groups": self.dropped_groups,
                 "dropped_samples": self.dropped_samples, "trainer_version": self.trainer_version,
                 "ready_version": self.ready_version, "trainer_starts": self.trainer_starts,
+                "rollout_starts": self._rollout_starts(),
                 "outstanding": {str(worker): len(slots) for worker, slots in self._outstanding.items() if slots},
                 "reset_slots": self.reset_slots, "orphan_puts": self.orphan_puts,
                 "expired_groups": self.expired_groups,
@@ -278,9 +279,13 @@ class RolloutBuffer:
         self.trainer_starts += 1
         return self.trainer_starts
 
-    async def starts(self) -> int:
-        """Worker-group starts so far (`trainer_starts`), without the rest of `stats` (the watch asks every step)."""
-        return self.trainer_starts
+    async def starts(self) -> dict:
+        """Starts so far, without the rest of `stats` (the watch asks every step): the train worker group's
+        (`train`) and each rollout worker's incarnations (`rollout`, by worker id)."""
+        return {"train": self.trainer_starts, "rollout": self._rollout_starts()}
+
+    def _rollout_starts(self) -> dict:
+        return {str(worker): n for worker, n in self._incarnation.items()}
 
     async def request_stop(self) -> None:
         """Ctrl-C in the driver: the trainer checkpoints after its current step and ends."""

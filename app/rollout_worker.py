@@ -39,7 +39,10 @@ from common.types import Group, Sample
 
 logger = logging.getLogger("app.rollout_worker")
 
-WORKER_MAX_RESTARTS = 3
+# Ray restarts a killed worker without limit: a fixed budget is spent by faults spread over a long run (bench
+# chaos, M = 20 seed 1: the fourth SIGKILL of one worker failed the run). The watch bounds a crash that comes back
+# every time instead (rollout.max_restarts in a row with no step logged).
+WORKER_MAX_RESTARTS = -1
 # A slot whose group failed beyond ROLLOUT_GROUP's retries waits this long before its next group: a
 # service that is down is not hammered (the driver's stall watch ends a run whose service never returns).
 FAILED_GROUP_PAUSE_S = 4.0
@@ -316,8 +319,9 @@ class RolloutWorker:
 def start_workers(cfg: Config) -> list:
     """The run's rollout workers as restartable actors, sampling for the run's RolloutBuffer and
     reporting to its RunMetrics (the named actors the driver started): a worker killed mid-run (OOM,
-    node loss) is restarted by Ray (`max_restarts`), its `run` call retried on the new incarnation
-    (`max_task_retries`), and the new incarnation gives its predecessor's slots back to the buffer
+    node loss) is restarted by Ray (`max_restarts`, no limit: the driver's watch ends a run whose worker
+    restarts more than rollout.max_restarts times with no step between), its `run` call retried on the new
+    incarnation (`max_task_retries`), and the new incarnation gives its predecessor's slots back to the buffer
     (`reset_worker`) before sampling, so they are granted again. The driver calls `w.run.remote()` on
     each; `ray.kill` (no_restart) still ends them at teardown. A restart rebuilds a worker from its
     constructor arguments, so they are plain values Ray keeps inline (the config, the worker id): no

@@ -69,7 +69,9 @@ class Progress:
 
         self.placement = PlacementWatch(cfg)  # UnplaceableError when Ray cannot place the run any more
         self.max_restarts = cfg.train.max_restarts
+        self.max_worker_restarts = cfg.rollout.max_restarts
         self._starts_at_step: int | None = None  # the buffer's trainer_starts when the last step was logged
+        self._worker_starts_at_step: dict = {}  # each rollout worker's incarnations then
 
     @property
     def last_step(self) -> int:
@@ -87,7 +89,8 @@ class Progress:
         if new:
             self._last_progress = self._last_note = time.monotonic()
             self.placement.reset()
-            self._starts_at_step = ray.get(self.buffer.starts.remote())
+            starts = ray.get(self.buffer.starts.remote())
+            self._starts_at_step, self._worker_starts_at_step = starts["train"], starts["rollout"]
         else:
             self.placement.check(self.last_step)
             self._watch()
@@ -190,14 +193,24 @@ class Progress:
     def _check_restarts(self, buf: dict) -> None:
         """Ray Train restarts the worker group after any failure (train_loops/trainer.py); more than
         train.max_restarts restarts since the last logged step (or since the start) is a crash that comes back
-        every time: the run ends with one line."""
+        every time: the run ends with one line. The same rule holds for each rollout worker (Ray restarts
+        one without limit; rollout.max_restarts)."""
         starts = buf.get("trainer_starts", 0)
         since = starts - (self._starts_at_step if self._starts_at_step is not None else min(starts, 1))
         if since > self.max_restarts:
-            raise RestartsError(
-                f"the train worker group restarted {since} times without logging a step (train.max_restarts="
-                f"{self.max_restarts}); last step {self.last_step}; the workers' errors are in the run's logs/ray; "
-                f"python -m app train --resume RUN_DIR continues from the newest checkpoint once the cause is fixed")
+            self._restarts_error(f"the train worker group restarted {since} times", f"train.max_restarts="
+                                 f"{self.max_restarts}")
+        for worker, n in sorted((buf.get("rollout_starts") or {}).items()):
+            since = n - self._worker_starts_at_step.get(worker, min(n, 1))
+            if since > self.max_worker_restarts:
+                self._restarts_error(f"rollout worker {worker} restarted {since} times",
+                                     f"rollout.max_restarts={self.max_worker_restarts}")
+
+    def _restarts_error(self, what: str, limit: str) -> None:
+        raise RestartsError(
+            f"{what} without logging a step ({limit}); last step {self.last_step}; the workers' errors are in the "
+            f"run's logs/ray; python -m app train --resume RUN_DIR continues from the newest checkpoint once the "
+            f"cause is fixed")
 
     def _ongoing(self) -> int:
         try:

@@ -312,6 +312,10 @@ class RolloutConfig:
     max_num_seqs: int = _field(64, "vLLM max_num_seqs.")
     enforce_eager: bool = _field(True, "Skip CUDA graphs / torch.compile (fast start); set False on GPU for speed.")
     workers: int = _field(2, "Rollout worker actors that turn prompts into scored groups.")
+    max_restarts: int = _field(
+        3, "Restarts of one rollout worker in a row (Ray restarts a killed one; it gives its slots back) with no step "
+           "logged between them before the run fails with one line. A logged step refills the budget, as for "
+           "train.max_restarts.")
     groups_per_worker: int = _field(1, "Groups each rollout worker samples concurrently (workers x this = groups in "
                                        "flight; enough to fill the engines' batches on GPU).")
     http_port: int = _field(8000, "Serve HTTP port of the OpenAI-compatible router.")
@@ -341,6 +345,7 @@ class RolloutConfig:
             (self.kv_cache_gib >= 1, "rollout.kv_cache_gib: must be a whole number of GiB >= 1"),
             (0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization: must be in (0, 1]"),
             (self.workers >= 1, "rollout.workers: must be >= 1"),
+            (self.max_restarts >= 0, f"rollout.max_restarts: must be >= 0, got {self.max_restarts}"),
             (self.groups_per_worker >= 1, "rollout.groups_per_worker: must be >= 1"),
             (1 <= self.http_port <= 65535, "rollout.http_port: must be a TCP port"),
             (self.max_body_bytes >= 1024, f"rollout.max_body_bytes: must be >= 1024, got {self.max_body_bytes}"),

@@ -176,6 +176,8 @@ def test_buffer_grants_prompts_and_gives_back_every_lost_one():
         st = await b.stats()
         assert st["prompts"]["requeued_reset"] == 2 and st["prompts"]["requeued_failed"] == 1
         assert st["granted"] == 2 and st["outstanding"] == {}  # the two put groups hold their slots
+        # the watch's restart budget: each reset_worker is one more incarnation of that worker
+        assert await b.starts() == {"train": 0, "rollout": {"0": 1}} and st["rollout_starts"] == {"0": 1}
 
     asyncio.run(go())
 

@@ -41,3 +41,18 @@ def test_zero_allows_no_restart_and_negative_is_refused():
         p._check_restarts({"trainer_starts": 2})
     with pytest.raises(C.ConfigError, match="train.max_restarts"):
         C.load("recipes/tiny-cpu.yaml", ["train.max_restarts=-1"])
+
+
+def test_a_rollout_worker_restarting_without_steps_ends_the_run():
+    """Ray restarts a killed rollout worker without limit (app/rollout_worker.py); the buffer counts each
+    incarnation (`reset_worker`) and the watch bounds them like the train group's."""
+    cfg = C.load("recipes/tiny-cpu.yaml", ["rollout.max_restarts=2"])
+    p = Progress(cfg, metrics=None, ingress=None, buffer=None, registry=None, enabled=False)
+    p._check_restarts({"trainer_starts": 1, "rollout_starts": {"0": 1, "1": 3}})  # worker 1: two restarts
+    with pytest.raises(RestartsError, match=r"rollout worker 1 restarted 3 times without logging a step "
+                                            r"\(rollout.max_restarts=2\)"):
+        p._check_restarts({"trainer_starts": 1, "rollout_starts": {"0": 1, "1": 4}})
+    p._worker_starts_at_step = {"0": 1, "1": 9}  # eight restarts spread over steps: the budget refilled
+    p._check_restarts({"trainer_starts": 1, "rollout_starts": {"0": 3, "1": 11}})
+    with pytest.raises(C.ConfigError, match="rollout.max_restarts"):
+        C.load("recipes/tiny-cpu.yaml", ["rollout.max_restarts=-1"])
