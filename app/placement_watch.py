@@ -185,14 +185,15 @@ def wait_service_running(cfg: Config, app_name: str, last_step: int = 0, poll_s:
     raised); UnplaceableError once some of its replicas waited run.placement_timeout_s in a row for a node. A
     placed replica may take as long as its engine needs to start: Serve's own health checks bound that."""
     from ray import serve
+    from ray.serve.schema import ApplicationStatus
 
     watch = PlacementWatch(cfg)
     while True:
         st = serve.status().applications.get(app_name)
-        status = str(getattr(st, "status", ""))
-        if status.endswith("RUNNING"):
+        status = getattr(st, "status", None)
+        if status == ApplicationStatus.RUNNING:
             return
-        if status.endswith("DEPLOY_FAILED"):
+        if status == ApplicationStatus.DEPLOY_FAILED:
             raise RuntimeError(f"Deploying application {app_name} failed: {st.message}")
         watch.check(last_step)
         time.sleep(poll_s)

@@ -26,6 +26,7 @@ TinyShape = Literal["tiny", "small", "qwen2.5-1.5b"]
 BadRowPolicy = Literal["error", "skip"]
 RewardPlace = Literal["worker", "task"]
 # grpo.loss_agg: how grpo and cispo reduce per-token losses over a step; train_loops/losses.py imports LOSS_AGGS.
+LrSchedule = Literal["constant", "cosine"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 LOSS_AGGS: tuple[str, ...] = typing.get_args(LossAgg)
 LigerMode = Literal["auto", "on", "off"]
@@ -174,6 +175,11 @@ class GRPOConfig:
     group_size: int = _field(8, "Completions sampled per prompt (G).")
     prompts_per_step: int = _field(8, "Prompts per optimizer step (batch = prompts_per_step x group_size).")
     lr: float = _field(1e-3, "AdamW learning rate over the LoRA parameters.")
+    lr_schedule: LrSchedule = _field(
+        "constant", "constant: grpo.lr throughout; cosine: from grpo.lr down to grpo.min_lr_ratio x lr at "
+                    "train.total_steps (after any warmup). Kept in checkpoints, so a resume continues it.")
+    warmup_steps: int = _field(0, "Optimizer steps over which the lr rises linearly to grpo.lr (0 = none).")
+    min_lr_ratio: float = _field(0.1, "cosine: the final lr as a fraction of grpo.lr.")
     weight_decay: float = _field(0.0, "AdamW weight decay.")
     loss: PolicyLossName = _field("grpo", "Policy loss (train_loops/losses.py), one of:\n"
                                   + "\n".join(f"      {name}: {text}" for name, text in POLICY_LOSSES.items()))
@@ -215,6 +221,8 @@ class GRPOConfig:
              f"grpo.group_size: must be >= 2 (advantages are relative within a group), got {self.group_size}"),
             (self.prompts_per_step >= 1, "grpo.prompts_per_step: must be >= 1"),
             (self.lr > 0, "grpo.lr: must be > 0"),
+            (self.warmup_steps >= 0, f"grpo.warmup_steps: must be >= 0, got {self.warmup_steps}"),
+            (0 <= self.min_lr_ratio <= 1, f"grpo.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}"),
             (self.clip_eps_low > 0 and self.clip_eps_high > 0, "grpo.clip_eps_low/high: must be > 0"),
             (self.clip_eps_low < 1, "grpo.clip_eps_low: must be < 1"),
             (self.kl_coef >= 0, "grpo.kl_coef: must be >= 0"),
@@ -614,8 +622,8 @@ def _cross_section_problems(cfg: Config) -> list[str]:
         (cfg.sync.max_loras is None or cfg.sync.max_loras >= cfg.min_loras,
          f"sync.max_loras: {cfg.sync.max_loras} < {cfg.min_loras} (max_staleness + 2, plus 1 for the version under "
          "evaluation while eval.path is set)"),
-        (not cfg.model.fp32_head or train.zero_stage < 3 or model.dtype == "float32",
-         "model.fp32_head: not with train.zero_stage 3 and a bf16/fp16 model (the partitioned head shares its "
+        (not cfg.model.fp32_head or train.zero_stage < 3 or cfg.trainer_dtype == "float32",
+         "model.fp32_head: not with train.zero_stage 3 and a bf16/fp16 trainer (the partitioned head shares its "
          "weight with the input embedding, which DeepSpeed still holds gathered at the head); use ZeRO-2"),
         (cfg.run.fleet is None or not cfg.run.serve_after,
          "run.serve_after: a run on a fleet leaves it when it ends (its lease); serve its saved adapter with "

@@ -167,6 +167,29 @@ def test_cross_section_rules():
     assert refused.value.problems == ["model.max_model_len: expected int, got 'many'", "sync.every: must be >= 1"]
 
 
+def test_fp32_head_with_zero3_follows_the_trainers_dtype():
+    """The ZeRO-3 rule is about the trainer's tied head and embedding: a float32 trainer beside bf16 engines
+    (train.dtype) may partition them; a bf16 trainer may not."""
+    bf16_zero3 = ["model.dtype=bfloat16", "model.fp32_head=true", "train.zero_stage=3"]
+    with pytest.raises(C.ConfigError, match="model.fp32_head: not with train.zero_stage 3 and a bf16/fp16 trainer"):
+        C.load(None, bf16_zero3)
+    assert C.load(None, [*bf16_zero3, "train.dtype=float32"]).trainer_dtype == "float32"
+
+
+def test_lr_schedule_fields_are_checked():
+    from train_loops.deepspeed_setup import lr_factor
+
+    with pytest.raises(C.ConfigError, match="grpo.lr_schedule"):
+        C.load(None, ["grpo.lr_schedule=linear"])
+    with pytest.raises(C.ConfigError, match="grpo.min_lr_ratio: must be in"):
+        C.load(None, ["grpo.min_lr_ratio=1.5"])
+    cfg = C.load(None, ["grpo.lr_schedule=cosine", "grpo.warmup_steps=4", "train.total_steps=14"])
+    f = [lr_factor(cfg, s) for s in range(14)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0] and f[4] == 1.0 and abs(f[-1] - cfg.grpo.min_lr_ratio) < 1e-12
+    assert all(a >= b for a, b in zip(f[4:], f[5:]))  # cosine only goes down
+    assert {lr_factor(C.load(None, []), s) for s in range(10)} == {1.0}  # constant, no warmup: unchanged
+
+
 def test_round_trip_through_dict():
     cfg = C.load("recipes/qwen2.5-math-1.5b-lora-r1.yaml", ["train.profile_step=2"])
     again = C.from_dict(cfg.to_dict())

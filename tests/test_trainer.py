@@ -47,10 +47,12 @@ def assert_only_lora_changed(full: dict, model_dir: Path, cfg) -> None:
 
 @pytest.fixture(scope="module")
 def zero2_run(tmp_path_factory):
-    """4 straight steps, ZeRO-2, checkpoints at 2 and 4."""
+    """4 straight steps, ZeRO-2, checkpoints at 2 and 4; a warmup + cosine lr schedule, so a resume that lost the
+    schedule's place would train steps 3-4 at other rates."""
     root = tmp_path_factory.mktemp("z2")
     model = tiny_model()
-    cfg = small_config(model, train={"total_steps": 4, "zero_stage": 2}, checkpoint={"every": 2})
+    cfg = small_config(model, train={"total_steps": 4, "zero_stage": 2}, checkpoint={"every": 2},
+                       grpo={"lr_schedule": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1})
     out = run_torchrun(cfg, WorkerOptions(batch_source="synthetic", checkpoint_dir=str(root / "ck"),
                                           record_dir=str(root / "dump")), root)
     return root, model, cfg, out
@@ -63,6 +65,8 @@ def test_zero2_only_lora_params_change(zero2_run):
     assert_only_lora_changed(load(root / "dump" / "full_state.safetensors"), model, cfg)
     steps = read_steps(root / "dump")
     assert [s["version"] for s in steps] == [1, 2, 3, 4]
+    # warmup 0.5, 1; cosine from 1 down to min_lr_ratio at the last step
+    assert [round(s["lr"] / cfg.grpo.lr, 6) for s in steps] == [0.5, 1.0, 1.0, 0.1]
     for key in ("loss", "clip_frac", "entropy", "grad_norm", "log_ratio_abs_mean", "log_ratio_abs_max",
                 "train_tokens_per_s", "publish_seconds", "adapter_bytes", "reward_mean", "reward_std"):
         assert key in steps[0], key
@@ -83,6 +87,7 @@ def test_resume_is_bit_identical(zero2_run):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [s["step"] for s in read_steps(root / "dump2")] == [3, 4]
     assert [s["version"] for s in read_steps(root / "dump2")] == [3, 4]
+    assert [s["lr"] for s in read_steps(root / "dump2")] == [s["lr"] for s in read_steps(root / "dump")][2:]
     assert (read_steps(root / "dump2")[-1]["loss"] == read_steps(root / "dump")[-1]["loss"])
 
 

@@ -7,6 +7,7 @@ patched out before the comm backend starts (docs/ARCHITECTURE.md, "Engine facts"
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 
@@ -74,10 +75,28 @@ def lora_optimizer(model, cfg: Config) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
 
 
+def lr_factor(cfg: Config, step: int) -> float:
+    """The lr of optimizer step `step` (0-based) as a fraction of grpo.lr: a linear warmup over
+    grpo.warmup_steps, then constant or a cosine down to grpo.min_lr_ratio at train.total_steps."""
+    g, total = cfg.grpo, cfg.train.total_steps
+    if step < g.warmup_steps:
+        return (step + 1) / g.warmup_steps
+    if g.lr_schedule == "constant":
+        return 1.0
+    done = min(1.0, (step - g.warmup_steps) / max(1, total - g.warmup_steps - 1))
+    return g.min_lr_ratio + (1.0 - g.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * done))
+
+
 def build_engine(model, cfg: Config, world_size: int, overrides: dict | None = None):
-    """deepspeed.initialize over an already-LoRA-wrapped model; returns the engine."""
+    """deepspeed.initialize over an already-LoRA-wrapped model; returns the engine. The lr schedule is a torch
+    LambdaLR handed to DeepSpeed: the engine steps it at each boundary and saves and loads it with the
+    checkpoint, so a resumed run continues the schedule where it stopped."""
     import deepspeed
 
-    engine, *_ = deepspeed.initialize(model=model, optimizer=lora_optimizer(model, cfg),
+    optimizer = lora_optimizer(model, cfg)
+    scheduler = None
+    if cfg.grpo.lr_schedule != "constant" or cfg.grpo.warmup_steps:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=ds_config(cfg, world_size, overrides), dist_init_required=False)
     return engine

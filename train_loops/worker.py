@@ -255,6 +255,7 @@ class GRPOWorker:
         micro = mb.plan(ranks, self.rank, self.token_budget, n_micro)
         token_denom, seq_denom = mb.step_denominators(ranks)
         current = self.publisher.version  # the version the weights being trained hold now
+        lr = float(self.engine.get_lr()[0])  # this step's (the schedule moves on at the boundary)
         micro_stats = []
         for i in range(n_micro):
             # A rank with fewer sequences than the others' micro-batch count repeats one with weight 0:
@@ -279,6 +280,7 @@ class GRPOWorker:
         stats = _combine(micro_stats)
         stats["loss"] *= len(micro_stats)  # micro-batch losses are shares of the step's loss: sum them
         stats["micro_batches"] = n_micro
+        stats["lr"] = lr
         grad_norm = self.engine.get_global_grad_norm()
         stats["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         return stats
