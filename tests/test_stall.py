@@ -5,6 +5,7 @@
 - a trainer that fails at every start ends the run after train.max_restarts restarts, with one line.
 """
 import json
+import re
 import time
 
 import pytest
@@ -91,6 +92,10 @@ def test_trainer_failing_at_every_start_ends_with_one_line(ray_local, tiny_model
     with pytest.raises(RestartsError) as e:
         driver.run(cfg, progress=False)
     msg = str(e.value)
-    assert "restarted 2 times without logging a step (train.max_restarts=1)" in msg, msg
+    # The watch reads the count every half minute or so, and a crash at load can restart the group more than
+    # once in that time: the run ends at the first reading past the limit (two restarts, or one or two more).
+    seen = re.search(r"the train worker group restarted (\d+) times without logging a step \(train.max_restarts=1\)",
+                     msg)
+    assert seen and 2 <= int(seen.group(1)) <= 4, msg
     assert "last step 0" in msg and "--resume" in msg, msg
     assert time.monotonic() - t0 < 300
