@@ -195,13 +195,12 @@ class Progress:
         train.max_restarts restarts since the last logged step (or since the start) is a crash that comes back
         every time: the run ends with one line. The same rule holds for each rollout worker (Ray restarts
         one without limit; rollout.max_restarts)."""
-        starts = buf.get("trainer_starts", 0)
-        since = starts - (self._starts_at_step if self._starts_at_step is not None else min(starts, 1))
+        since = _restarts_since(buf.get("trainer_starts", 0), self._starts_at_step)
         if since > self.max_restarts:
             self._restarts_error(f"the train worker group restarted {since} times", f"train.max_restarts="
                                  f"{self.max_restarts}")
         for worker, n in sorted((buf.get("rollout_starts") or {}).items()):
-            since = n - self._worker_starts_at_step.get(worker, min(n, 1))
+            since = _restarts_since(n, self._worker_starts_at_step.get(worker))
             if since > self.max_worker_restarts:
                 self._restarts_error(f"rollout worker {worker} restarted {since} times",
                                      f"rollout.max_restarts={self.max_worker_restarts}")
@@ -317,6 +316,11 @@ def train_and_watch(trainer, progress: Progress, buffer, worker_runs: list) -> T
         if fit.is_alive():
             logger.warning("the trainer did not stop within %.0fs of the run ending", FIT_STOP_TIMEOUT_S)
     return TrainOutcome(outcome.get("result"), interrupted)
+
+
+def _restarts_since(starts: int, at_last_step: int | None) -> int:
+    """Restarts since the last logged step; before any step, since the first start (which is no restart)."""
+    return starts - (at_last_step if at_last_step is not None else min(starts, 1))
 
 
 def _fit(trainer):

@@ -25,8 +25,8 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 TinyShape = Literal["tiny", "small", "qwen2.5-1.5b"]
 BadRowPolicy = Literal["error", "skip"]
 RewardPlace = Literal["worker", "task"]
-# grpo.loss_agg: how grpo and cispo reduce per-token losses over a step; train_loops/losses.py imports LOSS_AGGS.
 LrSchedule = Literal["constant", "cosine"]
+# grpo.loss_agg: how grpo and cispo reduce per-token losses over a step; train_loops/losses.py imports LOSS_AGGS.
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 LOSS_AGGS: tuple[str, ...] = typing.get_args(LossAgg)
 LigerMode = Literal["auto", "on", "off"]
