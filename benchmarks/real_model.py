@@ -135,7 +135,10 @@ def record(cfg, rows: list[dict], summary: dict, wall: float, command: str, mode
         "eval_history": history, "command": command,
         "config": {"lr": cfg.grpo.lr, "lora_rank": cfg.lora.rank, "group_size": cfg.grpo.group_size,
                    "prompts_per_step": cfg.grpo.prompts_per_step, "max_new_tokens": cfg.grpo.max_new_tokens,
-                   "max_staleness": cfg.sync.max_staleness, "dtype": cfg.torch_dtype},
+                   "max_staleness": cfg.sync.max_staleness, "dtype": cfg.torch_dtype,
+                   "train_dtype": cfg.trainer_dtype, "lr_schedule": cfg.grpo.lr_schedule,
+                   "warmup_steps": cfg.grpo.warmup_steps, "min_lr_ratio": cfg.grpo.min_lr_ratio,
+                   "seed": cfg.train.seed},
     }
 
 
