@@ -113,6 +113,7 @@ def fleet_status(name: str, address: str | None = None) -> dict:
     stats = ingress.stats.remote().result(timeout_s=30)
     for run, r in out["runs"].items():
         r.update(fair.get("runs", {}).get(run, {}))
+    out["cards"] = ray.get(_state(name).cards.remote())
     out["base_tokens"] = fair.get("runs", {}).get("", {}).get("tokens", 0)
     out["inflight"], out["seq_capacity"] = fair.get("inflight"), fair.get("capacity")
     out["replica_stats"] = [{"replica_id": s.get("replica_id"), "ongoing": s.get("ongoing"),
@@ -133,6 +134,9 @@ def format_status(st: dict) -> str:
                      f"{r.get('tokens', 0):>9} {r.get('share', 0.0):>6.2f} {r.get('queued', 0):>6}")
     if not st["runs"]:
         lines.append("(no runs attached)")
+    if st.get("cards"):
+        lines.append("in the dashboard's Serve view: " + ", ".join(
+            f"{st['app']}.run.{run} (GET /runs/{run})" for run in st["cards"]))
     for rep in st.get("replica_stats", []):
         lines.append(f"replica {rep['replica_id']}: {rep['ongoing']} requests in flight, adapters "
                      f"{', '.join(rep['adapters']) or 'none'}")
@@ -159,7 +163,12 @@ def _down(name: str) -> None:
     from ray import serve
 
     from common.names import NAMESPACE, fleet_app
+    from serve_deployments.run_card import delete_all_run_cards
 
+    try:
+        delete_all_run_cards(name)
+    except Exception as e:
+        logger.warning("fleet %s: deleting the runs' cards failed: %s", name, e)
     try:
         serve.delete(fleet_app(name))
     except Exception as e:

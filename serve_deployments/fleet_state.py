@@ -61,7 +61,8 @@ def new_token() -> str:
 @ray.remote(num_cpus=0)
 class FleetState:
     def __init__(self, fleet: str, app_name: str, capacity: int, max_lora_rank: int, admin_sha: str,
-                 read_sha: str | None = None, lease_s: float = DEFAULT_LEASE_S, info: dict | None = None):
+                 read_sha: str | None = None, lease_s: float = DEFAULT_LEASE_S, info: dict | None = None,
+                 run_cards: bool = True):
         if capacity < 1 or max_lora_rank < 1 or lease_s <= 0:
             raise ValueError(f"fleet {fleet}: capacity {capacity}, max_lora_rank {max_lora_rank} and lease_s "
                              f"{lease_s} must be positive")
@@ -73,6 +74,8 @@ class FleetState:
         self._ingress = None
         self._reaper: asyncio.Task | None = None
         self.forgotten: list[dict] = []  # the last runs that left, with why (status)
+        self._cards: dict[str, asyncio.Task] = {}  # run -> its card's deployment (run_card.py)
+        self._run_cards = bool(run_cards)
 
     # ------------------------------------------------------------------ tokens
 
@@ -135,6 +138,7 @@ class FleetState:
             raise
         logger.info("fleet %s: run %s attached (%d slots, weight %g, rank %d)", self.fleet, run, slots, weight,
                     lora_rank)
+        self._start_card(run)
         return {"token": token, "lease_s": self.lease_s, "slots": slots, "free": self.capacity - used - slots}
 
     async def renew(self, run: str, token: str) -> float:
@@ -168,6 +172,33 @@ class FleetState:
         return {"fleet": self.fleet, "app": self.app_name, "capacity": self.capacity, "used": self.used_slots(),
                 "max_lora_rank": self.max_lora_rank, "lease_s": self.lease_s, "read_token": self._read_sha is not None,
                 "runs": await self.runs(), "left": list(self.forgotten[-10:]), **self.info}
+
+    # ------------------------------------------------------------------ run cards (the dashboard's rows)
+
+    def _start_card(self, run: str) -> None:
+        if self._run_cards:
+            self._cards[run] = asyncio.get_running_loop().create_task(self._card(run, deploy=True))
+
+    def _end_card(self, run: str) -> None:
+        task = self._cards.pop(run, None)
+        if task is not None:
+            asyncio.get_running_loop().create_task(self._card(run, deploy=False, after=task))
+
+    async def _card(self, run: str, deploy: bool, after: asyncio.Task | None = None) -> None:
+        """Deploy or delete `run`'s card in a thread (Serve's calls block); a failure costs only the card."""
+        from serve_deployments.run_card import delete_run_card, deploy_run_card
+
+        if after is not None:
+            await asyncio.gather(after, return_exceptions=True)  # a card still deploying is deleted after
+        try:
+            await asyncio.to_thread(deploy_run_card if deploy else delete_run_card, self.fleet, run)
+        except Exception as e:
+            logger.warning("fleet %s: %s run %s's card failed: %s", self.fleet, "deploying" if deploy else
+                           "deleting", run, e)
+
+    async def cards(self) -> list[str]:
+        """Runs whose card is deployed or deploying."""
+        return sorted(self._cards)
 
     # ------------------------------------------------------------------ leases
 
@@ -204,6 +235,7 @@ class FleetState:
         """Unload the run's adapters everywhere (the ingress broadcasts), then drop it: its slots are free."""
         out = await self._ingress_handle().forget_run.remote(run)
         r = self._runs.pop(run, None)
+        self._end_card(run)
         if r is not None:
             self.forgotten.append({"run": run, "status": status, "time": time.time()})
             logger.info("fleet %s: run %s left (%s)", self.fleet, run, status)

@@ -6,6 +6,8 @@ processes (`python -m app train --fleet NAME`, as a user starts them) and train 
 - a third attach that does not fit the fleet's adapter slots is refused at once, with the numbers;
 - a run's token cannot unload another run's adapter (403);
 - one run's driver is SIGKILLed mid-run: its adapters leave /v1/models within the lease;
+- each attached run is a row of the dashboard's Serve view (its card, `fleet-t.run.RUN` at /runs/RUN) while it
+  holds a lease, and not after;
 - the other run finishes every step and learns (reward z > 3).
 """
 from __future__ import annotations
@@ -95,12 +97,19 @@ def _wait(cond, timeout_s: float, what: str, procs=()):
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
+def _serve_apps() -> dict:
+    from ray import serve
+
+    return serve.status().applications
+
+
 def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_dir):
     import ray
 
     from app.fleet import fleet_status
     from common.names import NAMESPACE, fleet_app
     from serve_deployments.fleet_state import FleetError
+    from serve_deployments.run_card import run_card_app
 
     base = f"http://127.0.0.1:{fleet['port']}"
     state = ray.get_actor(fleet_app(FLEET), namespace=NAMESPACE)
@@ -113,6 +122,15 @@ def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_di
         assert {"a/policy-latest", "b/policy-latest"} <= ids
         runs = ray.get(state.runs.remote())
         assert {r: (v["slots"], v["lora_rank"]) for r, v in runs.items()} == {"a": (4, 4), "b": (4, 8)}
+
+        # Each run is an application of the Serve view (the dashboard's rows), and its card answers at /runs/RUN.
+        cards = {run_card_app(FLEET, "a"), run_card_app(FLEET, "b")}
+        _wait(lambda: (lambda x: cards <= set(x) and all(x[c].status == "RUNNING" for c in cards))(_serve_apps()),
+              120, "the runs' cards to run", (a, b))
+        card = httpx.get(f"{base}/runs/b", timeout=30).json()
+        assert (card["run"], card["slots"], card["lora_rank"]) == ("b", 4, 8), card
+        assert card["live_versions"] and card["models"][-1] == "b/policy-latest", card
+        assert all(m.startswith("b/") for m in card["models"]) and card["tokens"] > 0, card
 
         # A probe run takes the last 2 slots; one more run needing 4 is refused at once, with the numbers.
         probe = ray.get(state.attach.remote(ADMIN, "probe", 2, 1.0, 4))
@@ -137,6 +155,8 @@ def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_di
         _wait(lambda: "a" not in ray.get(state.runs.remote()), LEASE_S + 30, "the fleet to forget run a")
         gone_s = time.monotonic() - t_kill
         assert gone_s <= LEASE_S + 30
+        _wait(lambda: run_card_app(FLEET, "a") not in _serve_apps(), 60, "run a's card to leave the Serve view")
+        assert run_card_app(FLEET, "b") in _serve_apps()
         held = [name for rep in fleet_status(FLEET)["replica_stats"] for name in rep["adapters"]]
         assert not any(name.startswith("a/") for name in held), held
         assert any(name.startswith("b/") for name in held), f"run b's adapters went with run a's: {held}"
@@ -154,6 +174,7 @@ def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_di
         _wait(lambda: "b" not in ray.get(state.runs.remote()), 30, "run b to detach")
         assert not any(i.startswith("b/") for i in _model_ids(base))
         ray.get(state.detach.remote("probe", probe["token"]))
+        _wait(lambda: not any(".run." in name for name in _serve_apps()), 60, "every card to leave the Serve view")
         print(json.dumps({"a_gone_after_kill_s": round(gone_s, 1), "b_z": round(z, 2)}))
     finally:
         for p in (a, b):
