@@ -135,8 +135,10 @@ def format_status(st: dict) -> str:
     if not st["runs"]:
         lines.append("(no runs attached)")
     if st.get("cards"):
+        from serve_deployments.run_card import run_card_app, run_card_route
+
         lines.append("in the dashboard's Serve view: " + ", ".join(
-            f"{st['app']}.run.{run} (GET /runs/{run})" for run in st["cards"]))
+            f"{run_card_app(st['fleet'], run)} (GET {run_card_route(run)})" for run in st["cards"]))
     for rep in st.get("replica_stats", []):
         lines.append(f"replica {rep['replica_id']}: {rep['ongoing']} requests in flight, adapters "
                      f"{', '.join(rep['adapters']) or 'none'}")

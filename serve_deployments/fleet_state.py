@@ -61,8 +61,7 @@ def new_token() -> str:
 @ray.remote(num_cpus=0)
 class FleetState:
     def __init__(self, fleet: str, app_name: str, capacity: int, max_lora_rank: int, admin_sha: str,
-                 read_sha: str | None = None, lease_s: float = DEFAULT_LEASE_S, info: dict | None = None,
-                 run_cards: bool = True):
+                 read_sha: str | None = None, lease_s: float = DEFAULT_LEASE_S, info: dict | None = None):
         if capacity < 1 or max_lora_rank < 1 or lease_s <= 0:
             raise ValueError(f"fleet {fleet}: capacity {capacity}, max_lora_rank {max_lora_rank} and lease_s "
                              f"{lease_s} must be positive")
@@ -75,7 +74,6 @@ class FleetState:
         self._reaper: asyncio.Task | None = None
         self.forgotten: list[dict] = []  # the last runs that left, with why (status)
         self._cards: dict[str, asyncio.Task] = {}  # run -> its card's deployment (run_card.py)
-        self._run_cards = bool(run_cards)
 
     # ------------------------------------------------------------------ tokens
 
@@ -176,8 +174,7 @@ class FleetState:
     # ------------------------------------------------------------------ run cards (the dashboard's rows)
 
     def _start_card(self, run: str) -> None:
-        if self._run_cards:
-            self._cards[run] = asyncio.get_running_loop().create_task(self._card(run, deploy=True))
+        self._cards[run] = asyncio.get_running_loop().create_task(self._card(run, deploy=True))
 
     def _end_card(self, run: str) -> None:
         task = self._cards.pop(run, None)

@@ -14,17 +14,15 @@ fleet's read token when one is set (the admin token and any run's token read too
 """
 from __future__ import annotations
 
-import logging
-
+from fastapi import Request
+from fastapi.responses import Response
 from ray import serve
-from starlette.requests import Request
-from starlette.responses import JSONResponse
 
 from common.names import NAMESPACE, fleet_app
 from common.types import adapter_name, latest_name
+from serve_deployments.admin import bearer
+from serve_deployments.openai_body import error_body, json_response
 from serve_deployments.served_versions import UnknownRunError
-
-logger = logging.getLogger("ray.serve")
 
 RUN_INFIX = ".run."
 
@@ -41,14 +39,15 @@ def run_card_route(run: str) -> str:
                   health_check_period_s=30)
 class RunCard:
     def __init__(self, fleet: str, run: str):
+        import ray
+
         self.fleet, self.run = fleet, run
+        # The card lives no longer than FleetState (it deletes the card, and `fleet down` both): one lookup.
+        self._state = ray.get_actor(fleet_app(fleet), namespace=NAMESPACE)
 
     async def card(self) -> dict | None:
         """The run's state on the fleet, or None once the fleet forgot it."""
-        import ray
-
-        state = ray.get_actor(fleet_app(self.fleet), namespace=NAMESPACE)
-        r = (await state.runs.remote()).get(self.run)
+        r = (await self._state.runs.remote()).get(self.run)
         if r is None:
             return None
         ingress = serve.get_app_handle(fleet_app(self.fleet))
@@ -63,22 +62,16 @@ class RunCard:
                 "tokens": fair.get("tokens", 0), "share": fair.get("share", 0.0), "queued": fair.get("queued", 0),
                 "live_versions": live, "models": models}
 
-    async def __call__(self, request: Request) -> JSONResponse:
-        import ray
-
+    async def __call__(self, request: Request) -> Response:
         if request.method != "GET" or request.url.path.rstrip("/") != run_card_route(self.run):
-            return JSONResponse({"error": f"only GET {run_card_route(self.run)} is served here"}, status_code=404)
-        auth = request.headers.get("authorization", "")
-        token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-        state = ray.get_actor(fleet_app(self.fleet), namespace=NAMESPACE)
-        if not await state.check_read.remote(token):
-            return JSONResponse({"error": f"fleet {self.fleet}: reading needs the fleet's read token"},
-                                status_code=401)
+            return json_response(error_body(404, f"only GET {run_card_route(self.run)} is served here"), 404)
+        if not await self._state.check_read.remote(bearer(request)):
+            return json_response(error_body(401, "reading this fleet needs 'Authorization: Bearer <read token>'",
+                                            "authentication_error"), 401)
         card = await self.card()
         if card is None:
-            return JSONResponse({"error": f"run {self.run} is no longer attached to fleet {self.fleet}"},
-                                status_code=404)
-        return JSONResponse(card)
+            return json_response(error_body(404, f"run {self.run} is no longer attached to fleet {self.fleet}"), 404)
+        return json_response(card)
 
 
 def deploy_run_card(fleet: str, run: str) -> None:

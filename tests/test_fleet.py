@@ -109,7 +109,7 @@ def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_di
     from app.fleet import fleet_status
     from common.names import NAMESPACE, fleet_app
     from serve_deployments.fleet_state import FleetError
-    from serve_deployments.run_card import run_card_app
+    from serve_deployments.run_card import RUN_INFIX, run_card_app
 
     base = f"http://127.0.0.1:{fleet['port']}"
     state = ray.get_actor(fleet_app(FLEET), namespace=NAMESPACE)
@@ -174,7 +174,7 @@ def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_di
         _wait(lambda: "b" not in ray.get(state.runs.remote()), 30, "run b to detach")
         assert not any(i.startswith("b/") for i in _model_ids(base))
         ray.get(state.detach.remote("probe", probe["token"]))
-        _wait(lambda: not any(".run." in name for name in _serve_apps()), 60, "every card to leave the Serve view")
+        _wait(lambda: not any(RUN_INFIX in name for name in _serve_apps()), 60, "every card to leave the Serve view")
         print(json.dumps({"a_gone_after_kill_s": round(gone_s, 1), "b_z": round(z, 2)}))
     finally:
         for p in (a, b):
