@@ -24,11 +24,10 @@ pytestmark = pytest.mark.slow
 
 APP = "multiturn-test"
 ROW = {"id": "m1", "prompt": "Say Q.", "answer": "Q"}
-MAX_LOGPROB_GAP = 1e-5  # CPU fp32: trainer vs engine, per sampled token
-# The largest gap over a whole step's batch: the engine's batched CPU kernels sum in an order that depends on
-# the batch, so the worst token of a step reaches 1.1e-5 now and then (seen in CI); a wrong version or adapter is
-# off by > 1e-2.
-MAX_BATCH_LOGPROB_GAP = 5e-5
+# CPU fp32, trainer vs engine, the worst sampled token of a batch: the engine's batched CPU kernels sum in an
+# order that depends on the batch, so the worst token reaches 1.2e-5 now and then (seen in CI, both in the
+# episode batch and in a step's batch); a wrong version or adapter is off by > 1e-2.
+MAX_LOGPROB_GAP = 5e-5
 
 
 class SometimesBroken(LetterHunt):
@@ -157,4 +156,4 @@ def test_multiturn_run_survives_a_raising_environment(serve_env, tmp_path):
         assert 1.0 <= r["episode_turns_mean"] <= 2.0 and 0 < r["env_tokens_fraction"] < 1
         assert "prefix_hit_turn1" in r and r["tool_calls_mean"] == 0
     # step 1 trains on samples of the base weights it starts from: trainer and engine agree
-    assert rows[0]["log_ratio_abs_max"] <= MAX_BATCH_LOGPROB_GAP
+    assert rows[0]["log_ratio_abs_max"] <= MAX_LOGPROB_GAP
