@@ -204,7 +204,7 @@ def cmd_bench(argv: list[str]) -> int:
 
     bench_dir = Path(__file__).resolve().parent.parent / "benchmarks"
     scripts = {p.stem.removeprefix("bench_"): p for p in [*bench_dir.glob("bench_*.py"), *bench_dir.glob("gpu_*.py"),
-                                                          bench_dir / "real_model.py"]}
+                                                          bench_dir / "real_model.py", bench_dir / "rest_vs_vllm.py"]}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in scripts:
         print("usage: python -m app bench NAME [args]\nbenchmarks: " + ", ".join(sorted(scripts)))
         return 0 if argv and argv[0] in ("-h", "--help") else 2

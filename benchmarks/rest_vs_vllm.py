@@ -1,0 +1,418 @@
+"""Issue 20, goal 7: our REST endpoint against vLLM's own OpenAI server, same model, adapter and engine.
+
+Both servers run at once, each with the engine arguments the replica gets (`engine_kwargs(cfg)`, its
+environment `engine_env(cfg)`):
+- REST: our service (Ray Serve: proxy -> Ingress -> one RolloutReplica), a random rank-8 LoRA published as
+  policy-v1 through the adapter registry before the app starts (what `app serve --adapter` does);
+- vLLM: `python -m vllm.entrypoints.openai.api_server` with those arguments as flags and the same adapter
+  as `--lora-modules policy-v1=DIR`.
+vLLM's own serving benchmark client (`vllm bench serve`, run in this process through
+vllm.benchmarks.serve.main_async) loads one of them at a time: backend openai (/v1/completions) and
+openai-chat (/v1/chat/completions), streaming, the random dataset (48 input, 32 output tokens, EOS ignored),
+16 concurrent, 160 requests, model policy-v1. Rounds interleave the sides A B B A (the host drifts, and
+shares its cores with other work); each pass's prompts are the round's (one seed per round, both sides
+the same); the first round is a warm-up. A ratio is the median over rounds of REST / vLLM output tok/s
+within the round. Each pass also records the CPU seconds every process of each side used, per request.
+
+    python benchmarks/rest_vs_vllm.py [--smoke] [--rounds N] [--requests N] [--out DIR] [--work DIR]
+    python -m app bench rest_vs_vllm
+
+Writes OUT/rest_vs_vllm_{cpu|gpu}.json (`rest_vs_vllm_serve_{cpu|gpu}`: the lower of the completions and
+chat ratios) and a PNG beside it; prints a table. Server logs and the client's output stay in --work.
+On a GPU machine (untested here) the replica and the vLLM server each get 0.4 of GPU 0 and the model is
+the `qwen2.5-1.5b` shape.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks._common import (  # noqa: E402
+    cpu_s_between,
+    descendant_pids,
+    free_port,
+    make_lora_payload,
+    process_tree_cpu_s,
+    small_config,
+)
+
+WORKLOAD = {"input_len": 48, "output_len": 32, "concurrency": 16, "requests": 160, "rounds": 4, "lora_rank": 8,
+            "dataset": "random", "streaming": True, "ignore_eos": True, "model_name": "policy-v1"}
+SMOKE = {"requests": 32, "rounds": 2}
+ENDPOINTS = {"completions": ("openai", "/v1/completions"), "chat": ("openai-chat", "/v1/chat/completions")}
+SIDES = ("rest", "vllm")
+GOAL = 0.9
+# The Serve processes of our side whose CPU time a pass records (Ray titles them ray::NAME).
+REST_PROCS = {"proxy": "ProxyActor", "ingress": "ServeReplica:policy:Ingress",
+              "replica": "ServeReplica:policy:RolloutReplica"}
+METRICS = {"output_tok_s": "output_throughput", "request_s": "request_throughput", "ttft_p50_ms": "median_ttft_ms",
+           "ttft_p99_ms": "p99_ttft_ms", "tpot_p50_ms": "median_tpot_ms", "itl_p50_ms": "median_itl_ms",
+           "e2el_p50_ms": "median_e2el_ms", "completed": "completed", "failed": "failed",
+           "output_tokens": "total_output_tokens", "duration_s": "duration"}
+
+
+def log(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def service_config(model: Path, gpus: int):
+    """The one Config both sides' engines come from: one replica of `model`, the benchmark's LoRA rank."""
+    cfg = small_config(model, replicas=1, max_lora_rank=WORKLOAD["lora_rank"])
+    if gpus:
+        cfg.model.dtype, cfg.model.max_model_len = "bfloat16", 2048
+        cfg.train.use_gpu = True
+        cfg.rollout.gpus_per_replica, cfg.rollout.gpu_memory_utilization = 1, 0.4
+        cfg.rollout.enforce_eager, cfg.rollout.max_num_seqs = False, 256
+    return cfg
+
+
+def engine_flags(kwargs: dict) -> list[str]:
+    """`engine_kwargs(cfg)` as vLLM CLI flags (bools as --x / --no-x, dicts as JSON)."""
+    out = []
+    for k, v in kwargs.items():
+        if k == "model" or v is None:
+            continue
+        flag = "--" + k.replace("_", "-")
+        if k == "disable_log_stats":  # a plain store_true flag
+            out += [flag] if v else []
+        elif isinstance(v, bool):
+            out.append(flag if v else "--no-" + flag[2:])
+        else:
+            out += [flag, json.dumps(v) if isinstance(v, dict) else str(v)]
+    return out
+
+
+class VllmServer:
+    """`python -m vllm.entrypoints.openai.api_server` in its own process group (stopped as a group)."""
+
+    def __init__(self, cfg, adapter: Path, log_path: Path):
+        from serve_deployments.engine_config import engine_env, engine_kwargs
+
+        self.port = free_port()
+        kw = engine_kwargs(cfg)
+        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", kw["model"],
+                    *engine_flags(kw), "--lora-modules", f"{WORKLOAD['model_name']}={adapter}",
+                    "--host", "127.0.0.1", "--port", str(self.port)]
+        self.env = engine_env(cfg)
+        env = dict(os.environ, **self.env, PYTHONPATH=os.pathsep.join(filter(None, [
+            str(REPO), os.environ.get("PYTHONPATH")])), PYTHONUNBUFFERED="1")
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # closed in close()
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 900) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); log {self.log_path}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            time.sleep(1)
+        raise TimeoutError(f"vLLM server not ready after {timeout_s:.0f}s; log {self.log_path}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+def start_rest(cfg, payload) -> None:
+    """Our service on cfg.rollout.http_port, policy-v1 published before the app starts; waits until healthy."""
+    import ray
+
+    from common.registry import get_or_create_registry
+    from serve_deployments.app_builder import start_with_adapter, wait_healthy
+
+    ray.init(address="local", num_cpus=4, num_gpus=min(1, _gpus()), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
+                                       "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    cfg.rollout.http_port = free_port()  # picked after Ray's own agents bound theirs
+    handle, version = start_with_adapter(cfg, get_or_create_registry(), payload)
+    assert version == 1, version
+    wait_healthy(handle)
+
+
+def client_argv(endpoint: str, port: int, model: Path, requests: int, seed: int) -> list[str]:
+    """`vllm bench serve` arguments of one pass."""
+    backend, path = ENDPOINTS[endpoint]
+    w = WORKLOAD
+    return ["--backend", backend, "--endpoint", path, "--host", "127.0.0.1", "--port", str(port),
+            "--model", w["model_name"], "--tokenizer", str(model), "--dataset-name", w["dataset"],
+            "--random-input-len", str(w["input_len"]), "--random-output-len", str(w["output_len"]),
+            "--num-prompts", str(requests), "--max-concurrency", str(w["concurrency"]), "--seed", str(seed),
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm"]
+
+
+def run_client(argv: list[str], log_file) -> dict:
+    """One `vllm bench serve` pass in this process (its output to `log_file`); its result dict."""
+    import asyncio
+
+    from vllm.benchmarks.serve import add_cli_args, main_async
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(argv)
+    log_file.write(f"\n===== vllm bench serve {' '.join(argv)}\n")
+    log_file.flush()
+    with contextlib.redirect_stdout(log_file), contextlib.redirect_stderr(log_file):
+        return asyncio.run(main_async(args))
+
+
+def side_pids(side: str, server: VllmServer) -> dict[str, int]:
+    if side == "vllm":
+        return {"server": server.proc.pid}
+    out = {}
+    for name, title in REST_PROCS.items():
+        pids = descendant_pids(title)
+        if pids:
+            out[name] = min(pids)
+    return out
+
+
+def one_pass(side: str, endpoint: str, ports: dict, server: VllmServer, model: Path, requests: int, seed: int,
+             log_file) -> dict:
+    pids = side_pids(side, server)
+    before = {name: process_tree_cpu_s([pid]) for name, pid in pids.items()}
+    client0 = time.process_time()
+    res = run_client(client_argv(endpoint, ports[side], model, requests, seed), log_file)
+    client_cpu = time.process_time() - client0
+    after = {name: process_tree_cpu_s([pid]) for name, pid in pids.items()}
+    out = {k: res.get(v) for k, v in METRICS.items()}
+    done = max(1, out["completed"] or 0)
+    out["cpu_ms_per_request"] = {name: 1000 * cpu_s_between(before[name], after[name]) / done for name in pids}
+    out["cpu_ms_per_request"]["client"] = 1000 * client_cpu / done
+    errors = [e for e in res.get("errors", []) if e]
+    if errors:
+        out["first_error"] = errors[0][-500:]
+    return out
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """Per endpoint: each side's medians over the measured rounds (all but the first), the ratio runs."""
+    measured = rounds[1:] or rounds
+    out = {}
+    for ep in ENDPOINTS:
+        sides = {}
+        for side in SIDES:
+            runs = [r[ep][side] for r in measured]
+            sides[side] = {k: _median([x.get(k) for x in runs]) for k in METRICS}
+            sides[side]["cpu_ms_per_request"] = {
+                name: _median([x["cpu_ms_per_request"].get(name) for x in runs])
+                for name in runs[0]["cpu_ms_per_request"]}
+        ratios = [r[ep]["rest"]["output_tok_s"] / r[ep]["vllm"]["output_tok_s"] for r in measured
+                  if r[ep]["rest"]["output_tok_s"] and r[ep]["vllm"]["output_tok_s"]]
+        ttft = [r[ep]["rest"]["ttft_p50_ms"] / r[ep]["vllm"]["ttft_p50_ms"] for r in measured
+                if r[ep]["rest"]["ttft_p50_ms"] and r[ep]["vllm"]["ttft_p50_ms"]]
+        out[ep] = {**sides, "ratio_runs": ratios, "ratio": _median(ratios), "ttft_p50_ratio": _median(ttft)}
+    return out
+
+
+def machine(load_at_start: list[float]) -> dict:
+    import ray
+    import vllm
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    info = {"cpus": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
+            "python": platform.python_version(), "vllm": vllm.__version__, "ray": ray.__version__,
+            "load_avg_1_5_15_min_at_start": load_at_start, "load_avg_1_5_15_min_at_end": list(os.getloadavg())}
+    if _gpus():
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def code_state() -> dict:
+    """The commit measured, and the serving code's uncommitted changes (others edit the same tree)."""
+    def git(*a):
+        r = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    dirty = git("status", "--porcelain", "--", "serve_deployments", "common", "app")
+    return {"commit": git("rev-parse", "HEAD"), "uncommitted_serving_files": dirty.splitlines() if dirty else []}
+
+
+def table(summary: dict) -> str:
+    head = f"{'endpoint':<12} {'side':<5} {'out tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9}"
+    lines = [head, "-" * len(head)]
+    for ep, s in summary.items():
+        for side in SIDES:
+            m = s[side]
+            lines.append(f"{ep:<12} {side:<5} {m['output_tok_s']:>9.0f} {m['request_s']:>7.2f} "
+                         f"{m['ttft_p50_ms']:>7.0f}ms {m['ttft_p99_ms']:>7.0f}ms {m['tpot_p50_ms']:>7.1f}ms")
+        lines.append(f"{ep:<12} {'ratio':<5} {s['ratio']:>9.2f}x  (REST / vLLM output tok/s, runs "
+                     + ", ".join(f"{r:.2f}" for r in s["ratio_runs"]) + ")")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    eps = list(ENDPOINTS)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "output_tok_s", "output tok/s (higher is better)"),
+                           (axes[1], "ttft_p50_ms", "TTFT p50, ms (lower is better)")):
+        for j, side in enumerate(SIDES):
+            vals = [doc["endpoints"][ep][side][key] or 0 for ep in eps]
+            bars = ax.bar([i + (j - 0.5) * 0.38 for i in range(len(eps))], vals, 0.38,
+                          label={"rest": "our REST (Serve)", "vllm": "vLLM api_server"}[side])
+            for b, v in zip(bars, vals):
+                ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(eps)), [f"{ep}\nREST/vLLM {doc['endpoints'][ep]['ratio']:.2f}x" if key ==
+                                        "output_tok_s" else ep for ep in eps])
+        ax.set_title(label, fontsize=9)
+        ax.legend(fontsize=8)
+    key = next(k for k in doc if k.startswith("rest_vs_vllm_serve_"))
+    fig.suptitle(f"{key} = {doc[key]:.2f} (goal >= {GOAL}); {doc['workload']['requests']} requests, "
+                 f"{doc['workload']['concurrency']} concurrent, {doc['workload']['input_len']} in / "
+                 f"{doc['workload']['output_len']} out tokens, streaming", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help=f"fast check: {SMOKE}")
+    p.add_argument("--rounds", type=int, default=None, help="rounds (the first a warm-up); default 4, smoke 2")
+    p.add_argument("--requests", type=int, default=None, help="requests per pass; default 160, smoke 32")
+    p.add_argument("--shape", default=None, help="model shape (default tiny on CPU, qwen2.5-1.5b on a GPU)")
+    p.add_argument("--work", default=None, help="model, adapter and logs (default: a temp dir)")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    w = WORKLOAD
+    if args.smoke:
+        w.update(SMOKE)
+    w["rounds"] = args.rounds or w["rounds"]
+    w["requests"] = args.requests or w["requests"]
+    gpus = min(1, _gpus())
+    device = "gpu" if gpus else "cpu"
+    out, work = Path(args.out), Path(args.work or tempfile.mkdtemp(prefix="rest-vs-vllm-"))
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    t_start, load_at_start, code = time.time(), list(os.getloadavg()), code_state()
+
+    from app.tiny_model import ensure_model
+    from common.adapter_io import write_peft_dir
+
+    shape = args.shape or ("qwen2.5-1.5b" if gpus else "tiny")
+    model = ensure_model(work / f"{shape}-model", shape=shape)
+    tensors, meta = make_lora_payload(model, seed=1, rank=w["lora_rank"])
+    adapter = write_peft_dir(tensors, meta["peft_config"], work / "adapter")
+    cfg = service_config(model, gpus)
+    log(f"model {shape} and a random rank-{w['lora_rank']} adapter in {work}; starting vLLM's api_server ...")
+    t0 = time.time()
+    server = VllmServer(cfg, adapter, work / "vllm_server.log")
+    starts = {}
+    try:
+        server.wait_ready()
+        starts["vllm_s"] = time.time() - t0
+        log(f"vLLM api_server on :{server.port} ({starts['vllm_s']:.0f}s); starting our service ...")
+        t0 = time.time()
+        start_rest(cfg, (tensors, meta))
+        starts["rest_s"] = time.time() - t0
+        ports = {"rest": cfg.rollout.http_port, "vllm": server.port}
+        log(f"REST service on :{ports['rest']} ({starts['rest_s']:.0f}s); {w['rounds']} rounds x "
+            f"{len(ENDPOINTS)} endpoints x 2 sides, {w['requests']} requests each")
+        rounds = []
+        with open(work / "client.log", "w") as client_log:
+            for r in range(w["rounds"]):
+                order = SIDES if r % 2 == 0 else SIDES[::-1]
+                row = {"order": list(order)}
+                for ep in ENDPOINTS:
+                    row[ep] = {}
+                    for side in order:
+                        res = one_pass(side, ep, ports, server, model, w["requests"], seed=r, log_file=client_log)
+                        row[ep][side] = res
+                        log(f"round {r + 1}/{w['rounds']}{' (warm-up)' if r == 0 else ''} {ep:<11} {side:<4}: "
+                            f"{res['output_tok_s'] or 0:6.0f} tok/s, TTFT p50 {res['ttft_p50_ms'] or 0:5.0f} ms, "
+                            f"{res['completed']}/{w['requests']} ok")
+                rounds.append(row)
+    finally:
+        import ray
+        from ray import serve
+
+        server.close()
+        if ray.is_initialized():
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            ray.shutdown()
+
+    from serve_deployments.engine_config import engine_kwargs
+
+    summary = summarize(rounds)
+    key = f"rest_vs_vllm_serve_{device}"
+    worst = min(ENDPOINTS, key=lambda ep: summary[ep]["ratio"] if summary[ep]["ratio"] is not None else -1)
+    doc = {
+        key: summary[worst]["ratio"],
+        f"{key}_is": f"the lower of the completions and chat ratios ({worst}): REST / vLLM output tok/s",
+        "goal": f">= {GOAL}", "met": summary[worst]["ratio"] is not None and summary[worst]["ratio"] >= GOAL,
+        "endpoints": summary, "rounds": rounds,
+        "method": f"both servers alive, passes interleaved A B B A over {w['rounds']} rounds (the first a warm-up), "
+                  "one endpoint at a time; a ratio is the median over the measured rounds of REST / vLLM within "
+                  "the round; one client seed per round (both sides get the same prompts)",
+        "machine": machine(load_at_start), "code": code,
+        "command": "python benchmarks/rest_vs_vllm.py " + " ".join(argv),
+        "workload": {**w, "shape": shape},
+        "settings": {"engine_kwargs": engine_kwargs(cfg), "engine_env": server.env, "vllm_server_cmd": server.cmd,
+                     "client": "vllm bench serve " + " ".join(client_argv("completions", 0, model, w["requests"], 0)),
+                     "rest": {"replicas": 1, "router_policy": cfg.router.policy,
+                              "auth": "none: a standalone service's REST reads need no token (only /admin does)",
+                              **({"stream_interval_ms": cfg.rollout.stream_interval_ms}
+                                 if hasattr(cfg.rollout, "stream_interval_ms") else {})},
+                     "server_start_s": starts},
+        "wall_s": time.time() - t_start, "work_dir": str(work),
+    }
+    f = out / f"rest_vs_vllm_{device}.json"
+    f.write_text(json.dumps(doc, indent=2, default=float))
+    try:
+        plot(doc, f.with_suffix(".png"))
+    except Exception as e:  # a missing matplotlib must not lose the numbers
+        log(f"plot failed: {e}")
+    print(table(summary))
+    log(f"{key} = {doc[key]:.2f} (goal >= {GOAL}, {worst}); wrote {f} and {f.with_suffix('.png').name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
