@@ -339,6 +339,10 @@ class RolloutConfig:
     max_inflight_per_replica: int | None = _field(
         None, "REST + rollout requests in flight per replica (the router ingress admits at most this x replicas); "
               "a REST request over it is answered 429 with Retry-After. null = 4 x max_num_seqs.")
+    stream_interval_ms: float = _field(
+        50.0, "REST streams: after the first token (sent at once), the tokens that arrive within this many ms travel "
+              "as one message through the replica -> ingress -> proxy hops (0 = one message per token, as vLLM's "
+              "own server writes them). Ray Serve LLM batches the same way (50 ms).")
     tool_parser: str | None = _field(
         "hermes", "vLLM tool parser for REST chat completions with `tools` and tool_choice auto (a name vLLM's "
                   "ToolParserManager knows: hermes for the Qwen/Hermes <tool_call> format); it also reads back "
@@ -356,6 +360,8 @@ class RolloutConfig:
             (self.max_restarts >= 0, f"rollout.max_restarts: must be >= 0, got {self.max_restarts}"),
             (self.groups_per_worker >= 1, "rollout.groups_per_worker: must be >= 1"),
             (1 <= self.http_port <= 65535, "rollout.http_port: must be a TCP port"),
+            (0 <= self.stream_interval_ms <= 1000,
+             f"rollout.stream_interval_ms: must be in [0, 1000], got {self.stream_interval_ms}"),
             (self.max_body_bytes >= 1024, f"rollout.max_body_bytes: must be >= 1024, got {self.max_body_bytes}"),
             (self.max_inflight_per_replica is None or self.max_inflight_per_replica >= 1,
              f"rollout.max_inflight_per_replica: must be >= 1 or null, got {self.max_inflight_per_replica}"),

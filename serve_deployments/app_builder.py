@@ -47,6 +47,7 @@ def build_app(cfg: Config, registry_name: str, registry_namespace: str, fleet: s
         opts["request_router_config"] = rrc
     replica = RolloutReplica.options(**opts).bind(engine_kwargs(cfg), registry_name, registry_namespace, cfg.max_loras,
                                                   tool_parser=tool_parser_option(cfg),
+                                                  stream_interval_ms=cfg.rollout.stream_interval_ms,
                                                   **({"fleet": fleet} if fleet else {}))
     token = admin_token or cfg.rollout.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
     ingress = Ingress.options(ray_actor_options={

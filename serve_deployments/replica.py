@@ -132,7 +132,7 @@ def _has_cuda() -> bool:
 @serve.deployment
 class RolloutReplica:
     async def __init__(self, engine: dict, registry_name: str | None, registry_namespace: str, max_loras: int,
-                       tool_parser: str | None = None, fleet: str | None = None):
+                       tool_parser: str | None = None, fleet: str | None = None, stream_interval_ms: float = 0.0):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -141,6 +141,7 @@ class RolloutReplica:
         t0 = time.perf_counter()
         check_tool_parser(tool_parser)  # a misspelt rollout.tool_parser fails before the engine starts
         self._tool_parser = tool_parser
+        self._stream_interval_s = float(stream_interval_ms) / 1000.0
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (unit use)
@@ -628,7 +629,14 @@ class RolloutReplica:
         return out
 
     async def openai_stream(self, path: str, body: dict):
-        """Streaming variant: yields SSE lines (`data: {...}\\n\\n`, last `data: [DONE]\\n\\n`)."""
+        """Streaming variant: yields SSE lines (`data: {...}\\n\\n`, last `data: [DONE]\\n\\n`); after the first,
+        those of each `stream_interval_ms` joined into one message (stream_batch.py)."""
+        from serve_deployments.stream_batch import batched
+
+        async for text in batched(self._openai_events(path, body), self._stream_interval_s):
+            yield text
+
+    async def _openai_events(self, path: str, body: dict):
         import json
 
         try:

@@ -5,6 +5,7 @@ on a cluster of `ray start`. Two training runs with different LoRA ranks attach 
 processes (`python -m app train --fleet NAME`, as a user starts them) and train at once. Then:
 - a third attach that does not fit the fleet's adapter slots is refused at once, with the numbers;
 - a run's token cannot unload another run's adapter (403);
+- reading (/v1/models, a run's card) needs the fleet's read token or a run's own (401 otherwise);
 - one run's driver is SIGKILLed mid-run: its adapters leave /v1/models within the lease;
 - each attached run is a row of the dashboard's Serve view (its card, `fleet-t.run.RUN` at /runs/RUN) while it
   holds a lease, and not after;
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 FLEET = "t"
 ADMIN = "fleet-admin-token"
+READ = "fleet-read-token"  # reading (REST completions, /v1/models, the run cards) needs it
 LEASE_S = 10.0
 SLOTS = 10  # two runs of max_staleness + 2 = 4 slots, and a probe run of 2: full
 STEPS_B = 40  # z was 3.6 at 32 steps: margin over the z > 3 bar
@@ -57,7 +59,7 @@ def fleet(tiny_model_dir, tmp_path_factory):
         "rollout.proxy_location=HeadOnly", f"sync.max_loras={SLOTS}", "rollout.max_lora_rank=8",
         "rollout.cpus_per_replica=0.5"])
     try:
-        out = fleet_up(cfg, FLEET, SLOTS, LEASE_S, admin_token=ADMIN)
+        out = fleet_up(cfg, FLEET, SLOTS, LEASE_S, admin_token=ADMIN, read_token=READ)
         yield {"address": cluster.address, "port": port, "out": tmp_path_factory.mktemp("fleet"), **out}
         fleet_down(FLEET, ADMIN)
     finally:
@@ -80,7 +82,7 @@ def _start_run(fleet: dict, tiny_model_dir, name: str, rank: int, steps: int) ->
 
 
 def _model_ids(base: str) -> set[str]:
-    r = httpx.get(f"{base}/v1/models", timeout=30)
+    r = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {READ}"}, timeout=30)
     assert r.status_code == 200, r.text
     return {m["id"] for m in r.json()["data"]}
 
@@ -127,7 +129,7 @@ def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_di
         cards = {run_card_app(FLEET, "a"), run_card_app(FLEET, "b")}
         _wait(lambda: (lambda x: cards <= set(x) and all(x[c].status == "RUNNING" for c in cards))(_serve_apps()),
               120, "the runs' cards to run", (a, b))
-        card = httpx.get(f"{base}/runs/b", timeout=30).json()
+        card = httpx.get(f"{base}/runs/b", headers={"Authorization": f"Bearer {READ}"}, timeout=30).json()
         assert (card["run"], card["slots"], card["lora_rank"]) == ("b", 4, 8), card
         assert card["live_versions"] and card["models"][-1] == "b/policy-latest", card
         assert all(m.startswith("b/") for m in card["models"]) and card["tokens"] > 0, card
@@ -137,6 +139,12 @@ def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_di
         with pytest.raises(FleetError) as e:
             ray.get(state.attach.remote(ADMIN, "d", 4, 1.0, 4))
         assert e.value.status_code == 409 and "needs 4 adapter slots" in str(e.value) and "0 of 10" in str(e.value)
+
+        # Reading needs the read token (or a run's own): a card and /v1/models refuse anyone else.
+        for url in (f"{base}/runs/b", f"{base}/v1/models"):
+            assert httpx.get(url, timeout=30).status_code == 401
+            assert httpx.get(url, headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 401
+            assert httpx.get(url, headers={"Authorization": f"Bearer {probe['token']}"}, timeout=30).status_code == 200
 
         # A run's token may not unload another run's adapter; the fleet's admin token is not needed to see that.
         r = httpx.delete(f"{base}/admin/adapters/b/policy-v1", headers={"Authorization": f"Bearer {probe['token']}"},
