@@ -537,6 +537,19 @@ class RolloutReplica:
                 "replica_id": self.replica_id, "sha256": self._served_sha(version, run),
                 "cached_tokens": int(final.num_cached_tokens or 0)}
 
+    async def generate_n(self, req: dict, n: int) -> list[dict]:
+        """n samples of one request (a GRPO group) in one call: what `generate` returns, n times. The
+        samples run concurrently in the engine and share the prompt's cached blocks; the first one to fail
+        cancels the others (their engine requests are aborted) and its error is raised."""
+        tasks = [asyncio.ensure_future(self.generate(req)) for _ in range(int(n))]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
     async def _final_output(self, prompt_ids, params, request_id, lora):
         final = None
         try:

@@ -43,13 +43,15 @@ class ReplicaPool:
         # Merged weights are new base weights: their blocks must not match the original base model's.
         return prefix_hash.route_key(token_ids, block_size, None, salt=f"merged-v{version}" if version else "")
 
-    def ticket(self, key: dict | None) -> RouteTicket | None:
-        """One call's routing request (each call its own: the policy tracks calls one by one)."""
-        return RouteTicket(self._policy, key) if self._policy is not None else None
+    def ticket(self, key: dict | None, weight: int = 1) -> RouteTicket | None:
+        """One call's routing request (each call its own: the policy tracks calls one by one), `weight` the
+        sequences it runs."""
+        return RouteTicket(self._policy, key, weight) if self._policy is not None else None
 
-    async def call(self, method: str, *args, key: dict | None = None):
-        """`method(*args)` on one replica, routed by `key` (None: the least loaded); its result."""
-        return await call_replica(self._handle, method, *args, ticket=self.ticket(key))
+    async def call(self, method: str, *args, key: dict | None = None, weight: int = 1):
+        """`method(*args)` on one replica, routed by `key` (None: the least loaded), counted as `weight`
+        sequences of the replica's load; its result."""
+        return await call_replica(self._handle, method, *args, ticket=self.ticket(key, weight))
 
     def stream(self, method: str, key: dict | None) -> ReplicaCall:
         """An unopened streaming call of `method`, routed by `key` (the caller opens, sends and closes it)."""

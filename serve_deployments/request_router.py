@@ -72,7 +72,8 @@ class RoutingPolicy:
         self._lru: dict[Hashable, OrderedDict] = {}  # replica -> block hashes sent there, oldest first
         self._owners: dict[int, int] = {}  # block hash -> bitmask of replicas holding it
         self._children: OrderedDict[int, int] = OrderedDict()  # block hash -> next block hash or _MANY
-        self._inflight: dict[Hashable, set] = {}  # replica -> request ids routed there, not completed
+        # replica -> {request id: its weight (sequences: a rollout group counts its n samples)}, not completed
+        self._inflight: dict[Hashable, dict] = {}
         self._assigned: dict[str, tuple[Hashable, Decision]] = {}  # request id -> (replica, decision)
         self._order: list[Hashable] = []  # replicas by id: the round-robin order
         self._pos: dict[Hashable, int] = {}
@@ -91,7 +92,7 @@ class RoutingPolicy:
             used = set(self._slot.values())
             self._slot[r] = next(i for i in range(len(used) + 1) if i not in used)
             self._lru[r] = OrderedDict()
-            self._inflight[r] = set()
+            self._inflight[r] = {}
         self._order = sorted(self._slot, key=str)
         self._pos = {r: i for i, r in enumerate(self._order)}
 
@@ -119,7 +120,7 @@ class RoutingPolicy:
         return list(self._order)
 
     def load(self, replica: Hashable) -> int:
-        return len(self._inflight.get(replica, ()))
+        return sum(self._inflight.get(replica, {}).values())
 
     def tracked_blocks(self, replica: Hashable) -> int:
         return len(self._lru.get(replica, ()))
@@ -127,9 +128,10 @@ class RoutingPolicy:
     # ------------------------------------------------------------ decision
 
     def choose(self, key: dict | None, request_id: str | None = None,
-               candidates: Sequence[Hashable] | None = None) -> Decision:
+               candidates: Sequence[Hashable] | None = None, weight: int = 1) -> Decision:
         """Pick a replica for a request with route key `key` (None: no prompt, load only) and record
-        the choice (blocks + in flight) at once, so the next request of a burst already sees it."""
+        the choice (blocks + in flight) at once, so the next request of a burst already sees it. `weight`:
+        the sequences the request runs (its share of a replica's load)."""
         if candidates is None or (len(candidates) == len(self._order) and all(r in self._slot for r in candidates)):
             cands = self._order  # the usual case: every replica is a candidate
         else:
@@ -141,7 +143,7 @@ class RoutingPolicy:
             return prev[1]  # Serve retrying the same request: keep the decision (and its counts)
         hashes = (key or {}).get("hashes") or []
         hit_cap = (key or {}).get("hit_cap", len(hashes))
-        loads = {r: len(self._inflight[r]) for r in cands}
+        loads = {r: self.load(r) for r in cands}
         session = (key or {}).get("replica")
         if session is not None and session in loads:
             d = Decision(session, "session", 0, 0)
@@ -151,7 +153,7 @@ class RoutingPolicy:
             d = self._decide_prefix(cands, hashes, loads)
         d.predicted_hit_blocks = min(self._held_from_start(d.replica, hashes), hit_cap)
         self._record(d.replica, hashes)
-        self._assign(request_id, d, hit_cap)
+        self._assign(request_id, d, hit_cap, weight)
         return d
 
     def ranked(self, chosen: Hashable, candidates: Sequence[Hashable] | None = None) -> list[list]:
@@ -234,21 +236,27 @@ class RoutingPolicy:
 
     # ------------------------------------------------------------ in-flight accounting
 
-    def _assign(self, request_id, d: Decision, hit_cap: int) -> None:
+    def _assign(self, request_id, d: Decision, hit_cap: int, weight: int = 1) -> None:
+        """Count the decision per sequence: a call of `weight` sequences (a rollout group) is its first
+        sample's decision plus weight - 1 samples beside it on the same replica, which find the whole
+        cacheable prompt there (counted as affinity), as they did when each sample was a call of its own."""
         c = self.counters
         prev = self._assigned.get(request_id) if request_id is not None else None
         if prev is not None:  # re-chosen because its replica left: move it, count it once
-            self._inflight.get(prev[0], set()).discard(request_id)
+            w0 = self._inflight.get(prev[0], {}).pop(request_id, 1)
             c[prev[1].kind] -= 1
-            c["predicted_hit_blocks"] -= prev[1].predicted_hit_blocks
-            c["cacheable_blocks"] -= prev[2]
-            c["requests"] -= 1
-        c["requests"] += 1
+            c["affinity"] -= w0 - 1
+            c["predicted_hit_blocks"] -= prev[1].predicted_hit_blocks + (w0 - 1) * prev[2]
+            c["cacheable_blocks"] -= w0 * prev[2]
+            c["requests"] -= w0
+        weight = max(1, int(weight))
+        c["requests"] += weight
         c[d.kind] += 1
-        c["predicted_hit_blocks"] += d.predicted_hit_blocks
-        c["cacheable_blocks"] += hit_cap
+        c["affinity"] += weight - 1
+        c["predicted_hit_blocks"] += d.predicted_hit_blocks + (weight - 1) * hit_cap
+        c["cacheable_blocks"] += weight * hit_cap
         if request_id is not None:
-            self._inflight[d.replica].add(request_id)
+            self._inflight[d.replica][request_id] = weight
             self._assigned[request_id] = (d.replica, d, hit_cap)
 
     def routed(self, request_id: str, replica: Hashable, key: dict | None) -> None:
@@ -263,18 +271,18 @@ class RoutingPolicy:
             self.counters["requests"] += 1
             self.counters["unmatched"] += 1
             self.counters["cacheable_blocks"] += hit_cap
-        self._inflight.get(prev[0], set()).discard(request_id)
+        weight = self._inflight.get(prev[0], {}).pop(request_id, 1)
         d = Decision(replica, prev[1].kind, 0, min(self._held_from_start(replica, hashes), prev[2]))
         self.counters["predicted_hit_blocks"] += d.predicted_hit_blocks - prev[1].predicted_hit_blocks
         self.counters["rerouted"] += 1
         self._record(replica, hashes)
-        self._inflight[replica].add(request_id)
+        self._inflight[replica][request_id] = weight
         self._assigned[request_id] = (replica, d, prev[2])
 
     def completed(self, request_id: str) -> None:
         prev = self._assigned.pop(request_id, None)
         if prev is not None and prev[0] in self._inflight:
-            self._inflight[prev[0]].discard(request_id)
+            self._inflight[prev[0]].pop(request_id, None)
 
     def snapshot(self) -> dict:
         c = dict(self.counters)
@@ -299,10 +307,10 @@ class RouteTicket:
     policy, the prompt's route key (None: load only) and an id of its own (Serve's request ids are
     shared by every call made while serving one request). Replica ids are Serve's `unique_id` strings."""
 
-    __slots__ = ("policy", "key", "call", "tries")
+    __slots__ = ("policy", "key", "call", "tries", "weight")
 
-    def __init__(self, policy: RoutingPolicy, key: dict | None):
-        self.policy, self.key, self.call, self.tries = policy, key, uuid.uuid4().hex, 0
+    def __init__(self, policy: RoutingPolicy, key: dict | None, weight: int = 1):
+        self.policy, self.key, self.call, self.tries, self.weight = policy, key, uuid.uuid4().hex, 0, int(weight)
 
     def rank(self, replica_ids: list[str]) -> list[list[str]]:
         """Serve asks (again on every retry): the policy's choice first, the rest by load. The first
@@ -314,7 +322,7 @@ class RouteTicket:
         with pol.lock:
             if set(replica_ids) != set(pol.replicas):  # Serve offers every replica it routes to
                 pol.set_replicas(replica_ids)
-            d = pol.choose(self.key, self.call, candidates=replica_ids)
+            d = pol.choose(self.key, self.call, candidates=replica_ids, weight=self.weight)
             ranks = pol.ranked(d.replica, replica_ids)
         return ranks[:1] if self.tries <= FALLBACK_AFTER_TRIES else ranks
 

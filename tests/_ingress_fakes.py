@@ -162,6 +162,7 @@ class FakePool:
         self.engine = dict(engine or ENGINE)
         self.replicas = list(replicas or [])
         self.calls: list[tuple] = []
+        self.weights: list[int] = []  # each one-replica call's weight (sequences) against the replica's load
 
     async def engine_info(self) -> dict:
         return self.engine
@@ -169,8 +170,9 @@ class FakePool:
     async def route_key(self, token_ids: list[int], version: int, merged_version: int, run: str = "") -> dict:
         return {"ids": list(token_ids), "version": version}
 
-    async def call(self, method: str, *args, key: dict | None = None):
+    async def call(self, method: str, *args, key: dict | None = None, weight: int = 1):
         self.calls.append((method, args, key))
+        self.weights.append(weight)
         await asyncio.sleep(0)
         answer = self.answers.pop(0)
         if isinstance(answer, BaseException):

@@ -75,12 +75,12 @@ def test_groups_carry_their_run_and_are_counted_per_run():
     for run in ("", "a", "b"):
         fair.set_weight(run)
     sample = lambda v, run: {"version": v, "token_ids": [1, 2, 3], "run": run}  # noqa: E731
-    pool = FakePool([sample(2, "a"), sample(2, "a"), sample(5, "b")])
+    pool = FakePool([[sample(2, "a"), sample(2, "a")], [sample(5, "b")]])
     front = RolloutFront(pool, runs({"a": [1, 2], "b": [5]}), Admission(16), fair=fair)
     asyncio.run(front.generate_group([7, 8], 2, None, {"max_tokens": 3}, run="a"))
     asyncio.run(front.generate_group([7, 8], 1, None, {"max_tokens": 3}, run="b"))
     reqs = [args[0] for _, args, _ in pool.calls]
-    assert [(r["run"], r["version"]) for r in reqs] == [("a", 2), ("a", 2), ("b", 5)]
+    assert [(r["run"], r["version"]) for r in reqs] == [("a", 2), ("b", 5)]  # a group is one call
     assert fair.tokens == {"a": 6, "b": 3} and fair.inflight == 0
     with pytest.raises(ValueError, match="not attached"):
         asyncio.run(front.generate_group([7, 8], 1, run="c"))

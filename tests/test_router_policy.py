@@ -141,6 +141,28 @@ def test_retry_counted_once_and_reroute_moves_load():
     assert pol.ranked("a") == [["a"], ["b"]]
 
 
+def test_a_group_call_weighs_its_samples():
+    """A rollout group is one call of n samples: the replica's load counts n, the spill rule sees it, and a
+    reroute or completion moves or frees all n."""
+    pol = RoutingPolicy(imbalance=8)
+    pol.set_replicas(["a", "b"])
+    home = route_key(prompt(41), BS)
+    d1 = pol.choose(home, "g1", weight=8)
+    assert pol.load(d1.replica) == 8 and pol.snapshot()["replicas"][d1.replica]["inflight"] == 8
+    # Counted per sample, as 8 calls were: the first unmatched, 7 beside it finding the whole prompt.
+    s, cacheable = pol.snapshot(), home["hit_cap"]
+    assert (s["requests"], s["unmatched"], s["affinity"]) == (8, 1, 7)
+    assert s["predicted_hit_blocks"] == 7 * cacheable and s["cacheable_blocks"] == 8 * cacheable
+    # The same prompt again: its owner is 8 sequences busier than the other replica, so the group spills.
+    d2 = pol.choose(home, "g2", weight=8)
+    assert d2.kind == "spill" and d2.replica != d1.replica
+    pol.routed("g2", d1.replica, home)  # Serve sent it to the first one after all: all 8 move
+    assert pol.load(d1.replica) == 16 and pol.load(d2.replica) == 0
+    pol.completed("g1")
+    pol.completed("g2")
+    assert pol.load("a") == pol.load("b") == 0
+
+
 def test_round_robin_policy():
     pol = RoutingPolicy(policy="round_robin")
     pol.set_replicas(["a", "b"])
