@@ -491,9 +491,13 @@ def phase_pipeline(args, work: Path, model: Path, out: Path) -> dict:
         _write_prompts(data, model)
         steps = args.pipeline_steps if mode == "async" else (args.sync_steps or args.pipeline_steps)
         cmd = [sys.executable, __file__, "_run", "--model", str(model), "--mode", mode, "--data", str(data),
-               "--steps", str(steps), "--gpus", str(gpus), "--out", str(work / f"run-{mode}.json")]
+               "--steps", str(steps), "--gpus", str(gpus), "--out", str(work / f"run-{mode}.json"),
+               *[a for kv in args.pipeline_set for a in ("--set", kv)]]
         t0 = time.time()
+        dmon = _dmon_start(out / f"gpu_pipeline_{mode}_dmon.txt")
         proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
+        if dmon is not None:
+            dmon.terminate()
         (out / f"gpu_pipeline_{mode}.log").write_text((proc.stdout + proc.stderr)[-200_000:])
         if proc.returncode != 0 and not (work / f"run-{mode}.json").exists():
             res[f"{mode}_error"] = proc.stderr[-2000:]
@@ -501,6 +505,11 @@ def phase_pipeline(args, work: Path, model: Path, out: Path) -> dict:
         runs[mode] = json.loads((work / f"run-{mode}.json").read_text())
         runs[mode]["wall_s"] = time.time() - t0
         runs[mode]["measured_at"] = _now()
+        runs[mode]["sets"] = list(args.pipeline_set)
+        for name in ("metrics.jsonl", "profile.txt"):
+            if (work / f"run-{mode}.{name}").exists():
+                (out / f"gpu_pipeline_{mode}.{name}").write_text((work / f"run-{mode}.{name}").read_text())
+        runs[mode].update(_dmon_summary(out / f"gpu_pipeline_{mode}_dmon.txt"))
     res["runs"] = {**args.prev_runs, f"{gpus}gpu": runs}
     a, s = runs.get("async", {}), runs.get("sync", {})
     if a.get("step_seconds_p50"):
@@ -510,6 +519,36 @@ def phase_pipeline(args, work: Path, model: Path, out: Path) -> dict:
         # Steps per hour, async over sync: the same work per step.
         res[f"async_vs_sync_{gpus}gpu"] = s["step_seconds_p50"] / a["step_seconds_p50"]
     return res
+
+
+def _dmon_start(path: Path):
+    """`nvidia-smi dmon` once a second for the run: whether the one GPU is busy while the trainer waits
+    or generation idles (SM %, memory-bandwidth %)."""
+    import shutil
+
+    if not shutil.which("nvidia-smi"):
+        return None
+    return subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-d", "1"], stdout=path.open("w"),
+                            stderr=subprocess.DEVNULL)
+
+
+def _dmon_summary(path: Path) -> dict:
+    """Mean SM and memory utilization over the samples where the GPU was in use at all (start-up excluded
+    by that), plus the fraction of such samples at >= 90% SM."""
+    if not path.exists():
+        return {}
+    sm, mem = [], []
+    for line in path.read_text().splitlines():
+        f = line.split()
+        if not f or f[0].startswith("#") or len(f) < 3 or not f[1].isdigit():
+            continue
+        if int(f[1]) > 0:
+            sm.append(int(f[1]))
+            mem.append(int(f[2]) if f[2].isdigit() else 0)
+    if not sm:
+        return {}
+    return {"gpu_sm_util_mean": sum(sm) / len(sm), "gpu_mem_util_mean": sum(mem) / len(mem),
+            "gpu_sm_ge90_fraction": sum(x >= 90 for x in sm) / len(sm), "gpu_busy_samples": len(sm)}
 
 
 def _now() -> str:
@@ -534,7 +573,7 @@ def _write_prompts(path: Path, model: Path) -> None:
             f.write(json.dumps({"id": f"p{i}", "prompt": text, "answer": "a"}) + "\n")
 
 
-def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: str) -> None:
+def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: str, extra: list[str]) -> None:
     import ray
 
     from app import driver
@@ -555,7 +594,7 @@ def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: s
     recipe = "gpu-1x.yaml" if gpus == 1 else "gpu-2x.yaml"
     if gpus == 2:
         sets.append("rollout.gpu_memory_utilization=0.85")
-    cfg = C.load(str(REPO / "recipes" / recipe), sets)
+    cfg = C.load(str(REPO / "recipes" / recipe), sets + extra)
     ray.init(address="local", num_gpus=gpus, include_dashboard=False, runtime_env={"env_vars": {
         "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": _env()["PYTHONPATH"]}})
     t0 = time.time()
@@ -569,6 +608,10 @@ def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: s
     rec = record(f"pipeline-{mode}", cfg, rows, summary, time.time() - t0, "")
     rec["error"] = err
     Path(out).write_text(json.dumps(rec, default=float))
+    # Beside the record: the run's rows and, with train.profile_step, the trainer's profile.
+    for src, name in (("metrics.jsonl", "metrics.jsonl"), ("profile.txt", "profile.txt")):
+        if (cfg.run_dir / src).exists():
+            (Path(out).parent / f"run-{mode}.{name}").write_text((cfg.run_dir / src).read_text())
     ray.shutdown()
 
 
@@ -633,13 +676,14 @@ def main(argv=None) -> int:
         p.add_argument("--mem", type=float, default=ROLLOUT_MEM)
         p.add_argument("--gpus", type=int, default=1)
         p.add_argument("--out")
+        p.add_argument("--set", action="append", default=[])
         a = p.parse_args(argv)
         if a.what == "_peft":
             Path(a.out).write_text(json.dumps(peft_loop(a.model, a.steps, micro=16)))
         elif a.what == "_bare":
             bare_vllm(a.model, a.adapter, a.mem)
         else:
-            pipeline_run(a.model, a.mode, a.data, a.steps, a.gpus, a.out)
+            pipeline_run(a.model, a.mode, a.data, a.steps, a.gpus, a.out, a.set)
         return 0
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -649,6 +693,7 @@ def main(argv=None) -> int:
     p.add_argument("--sync-steps", type=int, default=8, help="steps of the sync comparison run")
     p.add_argument("--modes", default="async,sync", help="pipeline phase: which runs")
     p.add_argument("--trainer-set", action="append", default=[], help="trainer phase: config KEY=VALUE")
+    p.add_argument("--pipeline-set", action="append", default=[], help="pipeline phase: config KEY=VALUE")
     p.add_argument("--trainer-ablation", default="",
                    help="trainer phase: extra runs, ';'-separated, each a ','-separated KEY=VALUE list")
     p.add_argument("--shape", default=WORKLOAD["shape"], help="model shape")

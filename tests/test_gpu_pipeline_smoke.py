@@ -62,3 +62,19 @@ def test_rollout_phase_interleaves_both_engines(tmp_path):
     assert lora == [b / x for b, x in zip(bare[1:], base[1:])]
     assert min(lora) <= doc["lora_vs_base_decode"] <= max(lora)
     assert "ready" in (out / "gpu_pipeline_bare.log").read_text()  # the bare engine's own log is kept
+
+
+def test_dmon_summary_counts_only_busy_samples(tmp_path):
+    """The pipeline phase's GPU-utilization summary from `nvidia-smi dmon -s u` output (no GPU here, so
+    from text in dmon's format): idle start-up samples are left out, headers and '-' fields skipped."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.gpu_pipeline import _dmon_summary
+
+    f = tmp_path / "dmon.txt"
+    f.write_text("# gpu    sm   mem   enc   dec   jpg   ofa\n# Idx     %     %     %     %     %     %\n"
+                 "    0     0     0     0     0     0     0\n    0    95    40     0     0     0     0\n"
+                 "    0    45     -     0     0     0     0\n")
+    s = _dmon_summary(f)
+    assert s["gpu_busy_samples"] == 2 and s["gpu_sm_util_mean"] == 70 and s["gpu_sm_ge90_fraction"] == 0.5
+    assert s["gpu_mem_util_mean"] == 20
+    assert _dmon_summary(tmp_path / "absent.txt") == {}
