@@ -17,6 +17,7 @@ from common.config import Config
 logger = logging.getLogger("app")
 
 INGRESS_STATS_EVERY_S = 5.0
+RESTART_CHECK_S = 3.0
 FIT_THREAD = "trainer-fit"
 # A step in flight finishes before the trainer reads the closed buffer; minutes on CPU at worst.
 FIT_STOP_TIMEOUT_S = 120.0
@@ -55,7 +56,7 @@ class Progress:
         self.evals = evals
         self.stall_timeout = cfg.run.stall_timeout_s
         self.log_every = cfg.run.log_every
-        self._last_progress = self._last_note = time.monotonic()
+        self._last_progress = self._last_note = self._last_restart_check = time.monotonic()
         self._last_put = -1
         self.rows: list[dict] = list(rows or [])
         self.bar = tqdm(total=cfg.train.total_steps, initial=len(self.rows), desc=f"GRPO {cfg.run.name}", unit="step",
@@ -172,11 +173,16 @@ class Progress:
         import ray
 
         now = time.monotonic()
+        # A crash-looping trainer is seen within seconds (one actor call); the stall bookkeeping and its
+        # log line keep their slower pace.
+        if now - self._last_restart_check < RESTART_CHECK_S:
+            return
+        self._last_restart_check = now
+        buf = ray.get(self.buffer.stats.remote())
+        self._check_restarts(buf)
         if now - self._last_note < min(30.0, self.stall_timeout / 3):
             return
         self._last_note = now
-        buf = ray.get(self.buffer.stats.remote())
-        self._check_restarts(buf)
         ongoing = self._ongoing()
         if buf["put_groups"] != self._last_put or ongoing:
             self._last_put = buf["put_groups"]

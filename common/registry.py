@@ -75,6 +75,7 @@ class AdapterRegistry:
         self._meta[version] = dict(meta, version=version)
         load_s = 0.0
         retries = 0
+        loaded: dict = {}
         if self._ingress is not None:
             t1 = time.perf_counter()
 
@@ -88,7 +89,7 @@ class AdapterRegistry:
                 await self.attach_ingress(*self._ingress_args)  # the ingress may be a new one
 
             try:
-                await faults.ADAPTER_LOAD.run(
+                loaded = await faults.ADAPTER_LOAD.run(
                     load, on_retry=fresh_handle,
                     retryable=lambda e: faults.is_lost(e) and self._ingress_args is not None)
             except Exception:
@@ -99,7 +100,7 @@ class AdapterRegistry:
         self._expire_later(self._trim())
         return {"version": version, "nbytes": meta.get("nbytes", 0), "kind": meta.get("kind", "adapter"),
                 "load_retries": retries, "seconds": time.perf_counter() - t0, "replica_load_seconds": load_s,
-                "time": time.time()}
+                "time": time.time(), **_slowest_replica(loaded)}
 
     def _check_new(self, version: int) -> None:
         if version in self._meta:
@@ -201,6 +202,20 @@ class AdapterRegistry:
                 "load_retries": self.load_retries,
                 "expired_aborts": self.expired_aborts, "expire_errors": self.expire_errors,
                 "last_expire_error": self._last_expire_error}
+
+
+def _slowest_replica(loaded) -> dict:
+    """Where a hand-over's time went, from the ingress broadcast's answer: its own time and the slowest
+    replica's (its fetch from the object store and vLLM's add_lora within it)."""
+    if not isinstance(loaded, dict):
+        return {}
+    out = {"broadcast_seconds": loaded.get("seconds")}
+    slow = max((r for r in loaded.get("results") or [] if isinstance(r, dict) and r.get("seconds") is not None),
+               key=lambda r: r["seconds"], default=None)
+    if slow is not None:
+        out.update(replica_seconds=slow["seconds"], replica_fetch_seconds=slow.get("fetch_seconds"),
+                   replica_add_lora_ms=slow.get("add_lora_ms"))
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def pick_version(live: list[int], want: int | None) -> int | None:

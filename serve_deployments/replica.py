@@ -400,13 +400,14 @@ class RolloutReplica:
         t0 = time.perf_counter()
         await self._refresh_quota(run)
         tensors, meta = await self._fetch(version, run)
+        fetched = time.perf_counter() - t0
         if run and payload_kind(meta) == "merged":
             raise ReplicaError(f"{name} rejected: merged weights cannot be served on a fleet (they would replace "
                                "the base model every run shares)", 422)
         out = await self._adapters.load(version, tensors, meta, run)
         return {"version": version, "run": run, "name": name, "loaded": True, "already": False,
                 "replica_id": self.replica_id, "evicted": out["evicted"], "seconds": time.perf_counter() - t0,
-                "add_lora_ms": out["add_lora_ms"]}
+                "fetch_seconds": fetched, "add_lora_ms": out["add_lora_ms"]}
 
     async def _fetch(self, version: int, run: str = "") -> tuple[dict, dict]:
         try:

@@ -143,8 +143,14 @@ def test_openai_client_unchanged(serve_env, svc, url, versions):
 def test_publish_all_or_nothing(serve_env, svc, url, versions):
     import ray
 
+    from train_loops.adapter_sync import handover_breakdown
+
     good, bad = versions.take(2)
-    publish(serve_env.registry, good, *make_lora_payload(serve_env.model_dir, seed=good))
+    done = publish(serve_env.registry, good, *make_lora_payload(serve_env.model_dir, seed=good))
+    # where the hand-over's time went, as the trainer's row keeps it: each part inside the one before
+    h = handover_breakdown(done)
+    assert h["handover_registry_seconds"] >= h["handover_broadcast_seconds"] >= h["handover_replica_seconds"] \
+        >= max(h["handover_fetch_seconds"], h["handover_add_lora_seconds"]) > 0, h
     st = svc.stats.remote().result()
     assert all(good in r["versions"] for r in st["replicas"]) and len(st["replicas"]) == 2
     assert svc.live_versions.remote().result()[-1] == good

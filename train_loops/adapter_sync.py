@@ -33,6 +33,19 @@ def gather_lora_state(peft_model, zero_stage: int) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
 
 
+def handover_breakdown(done) -> dict:
+    """The registry's answer to a publish as row keys (`handover_*`, seconds): its own time, the ingress
+    broadcast's, the slowest replica's, and that replica's object-store fetch and vLLM add_lora."""
+    if not isinstance(done, dict):
+        return {}
+    keys = {"seconds": "handover_registry_seconds", "broadcast_seconds": "handover_broadcast_seconds",
+            "replica_seconds": "handover_replica_seconds", "replica_fetch_seconds": "handover_fetch_seconds"}
+    out = {row: float(done[k]) for k, row in keys.items() if isinstance(done.get(k), (int, float))}
+    if isinstance(done.get("replica_add_lora_ms"), (int, float)):
+        out["handover_add_lora_seconds"] = done["replica_add_lora_ms"] / 1000.0
+    return out
+
+
 def max_abs_change(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor] | None) -> float:
     if old is None:
         return float("inf")
@@ -170,5 +183,6 @@ class AdapterPublisher:
             meta = make_meta(payload, self.peft_config, kind="adapter")
         t0 = time.perf_counter()
         ref = ray.put(payload)
-        ray.get(self.registry.publish.remote(version, ref, meta))
-        return {"adapter_bytes": tensors_nbytes(payload), "publish_to_served_seconds": time.perf_counter() - t0}
+        done = ray.get(self.registry.publish.remote(version, ref, meta))
+        return {"adapter_bytes": tensors_nbytes(payload), "publish_to_served_seconds": time.perf_counter() - t0,
+                **handover_breakdown(done)}
