@@ -62,7 +62,7 @@ def _p50(xs):
 # Rollout phase: rounds of one pass of 16 x 8 completions per side, the first a warm-up (one GPU's passes
 # drifted by +-12% when each side ran its passes in a block). Each engine gets ROLLOUT_MEM of the GPU:
 # the workload's KV cache needs about 5 GB of it.
-ROLLOUT_REPS = 6
+ROLLOUT_REPS = int(os.environ.get("GPU_PIPELINE_ROLLOUT_REPS", "6"))
 ROLLOUT_MEM = 0.4
 
 

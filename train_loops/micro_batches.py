@@ -78,7 +78,7 @@ def activation_bytes_per_token(hf_config, dtype_bytes: int, gradient_checkpointi
       statistics;
     - Liger's RMSNorm keeps no float32 copy and its SwiGLU recomputes the SiLU: 6 x hidden + 3 x
       intermediate. Triton has no CPU backend, so this one is from the H200's peak memory (45.6 GiB with
-      Liger, 57.6 without, at 19.5k tokens of the 1.5B shape; results/gpu_pipeline.json).
+      Liger, 57.6 without, at 19.5k tokens of the 1.5B shape; results/gpu_pipeline_2026-12-01.json).
     With checkpointing, only each layer's input stays, plus one layer's worth while it is recomputed."""
     h = hf_config.hidden_size
     i = getattr(hf_config, "intermediate_size", 4 * h)
