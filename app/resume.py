@@ -102,7 +102,7 @@ def republish(cfg: Config, registry, resume: Resume) -> None:
     the replicas load it in their constructors and rollouts sample the policy the trainer resumes."""
     import ray
 
-    from common.adapter_io import make_meta, read_peft_dir
+    from common.adapter_io import make_meta, pack_tensors, read_peft_dir
 
     version = resume.version
     if version < 1 or ray.get(registry.latest_version.remote()) >= version:
@@ -116,4 +116,4 @@ def republish(cfg: Config, registry, resume: Resume) -> None:
     else:
         payload, meta = tensors, make_meta(tensors, peft_cfg, kind="adapter")
     ray.get(registry.attach_ingress.remote(None))  # no app yet: the registry just holds it, live
-    ray.get(registry.publish.remote(version, ray.put(payload), meta))
+    ray.get(registry.publish.remote(version, ray.put(pack_tensors(payload)), meta))

@@ -115,10 +115,13 @@ def delete_app(name: str) -> None:
 
 
 def publish(registry, version: int, tensors: dict, meta: dict) -> dict:
-    """Publish like the trainer: the ObjectRef is a top-level argument, so the registry re-puts it."""
+    """Publish like the trainer: packed into one buffer, the ObjectRef a top-level argument (so the registry
+    re-puts it)."""
     import ray
 
-    return ray.get(registry.publish.remote(version, ray.put(tensors), meta))
+    from common.adapter_io import pack_tensors
+
+    return ray.get(registry.publish.remote(version, ray.put(pack_tensors(tensors)), meta))
 
 
 def retire_all(registry) -> None:

@@ -50,6 +50,7 @@ from benchmarks._common import (  # noqa: E402
     small_config,
     summary,
 )
+from common.adapter_io import pack_tensors, unpack_tensors  # noqa: E402
 
 TARGET_TINY_P50_S = 0.5
 TARGET_RANK1_P50_S = 1.0
@@ -116,7 +117,7 @@ def full_path(args, model_dir: Path, registry, http_port: int) -> list[dict]:
                     t_d = time.perf_counter()
                     meta = make_meta(tensors, bases[i % len(bases)][1]["peft_config"], kind=mode)
                     t_p = time.perf_counter()
-                    ref = ray.put(tensors)
+                    ref = ray.put(pack_tensors(tensors))
                     t_q = time.perf_counter()
                     rec = ray.get(registry.publish.remote(version, ref, meta))
                     t_r = time.perf_counter()
@@ -215,7 +216,7 @@ def _transport_deployments():
             t0 = time.perf_counter()
             entry = await self._registry.get.remote(version)
             t1 = time.perf_counter()
-            tensors = await entry["ref"][0]
+            tensors = unpack_tensors(await entry["ref"][0])
             t2 = time.perf_counter()
             meta = entry["meta"]
             if payload_kind(meta) == "merged":
@@ -344,7 +345,7 @@ def transport(args, tmp: Path) -> dict:
                 t_d = time.perf_counter()
                 meta = make_meta(tensors, peft_config, kind=kind)
                 t_p = time.perf_counter()
-                ref = ray.put(tensors)
+                ref = ray.put(pack_tensors(tensors))
                 t_q = time.perf_counter()
                 rec = ray.get(registry.publish.remote(version, ref, meta))
                 t_r = time.perf_counter()

@@ -25,6 +25,30 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def pack_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
+    """A payload as it travels through the object store: one safetensors buffer. Ray serializes a dict
+    of tensors one tensor at a time (a rank-1 all-linear adapter of a 28-layer model is 392 of them),
+    and the registry and every replica pay that again: ~40 ms per hop for 2.3 MB on the CPUs here, against
+    ~1 ms for one buffer."""
+    from safetensors.torch import save
+
+    return save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+
+
+def unpack_tensors(payload) -> dict[str, torch.Tensor]:
+    """The tensors of a payload fetched from the registry: packed (`pack_tensors`) or a plain dict."""
+    if isinstance(payload, dict):
+        return payload
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise AdapterError(f"adapter payload is a {type(payload).__name__}, not tensors")
+    from safetensors.torch import load
+
+    try:
+        return load(bytes(payload))
+    except Exception as e:
+        raise AdapterError(f"adapter payload is not a safetensors buffer ({e})") from e
+
+
 def tensors_nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 

@@ -104,11 +104,13 @@ def start_with_adapter(cfg: Config, registry, payload: tuple[dict, dict] | None 
     policy-v1 is unknown. Returns the ingress handle and the adapter's version."""
     import ray
 
+    from common.adapter_io import pack_tensors
+
     version = None
     if payload is not None:
         ray.get(registry.attach_ingress.remote(None))  # no app yet: the registry just holds it, live
         version = ray.get(registry.latest_version.remote()) + 1
-        ray.get(registry.publish.remote(version, ray.put(payload[0]), payload[1]))
+        ray.get(registry.publish.remote(version, ray.put(pack_tensors(payload[0])), payload[1]))
     return start_service(cfg, registry=registry), version
 
 

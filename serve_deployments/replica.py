@@ -42,6 +42,7 @@ from pathlib import Path
 import ray
 from ray import serve
 
+from common.adapter_io import AdapterError, unpack_tensors
 from common.names import BASE_NAME, NAMESPACE, REGISTRY_NAME, fleet_app, run_namespace
 from common.types import adapter_name, check_run_name, policy_name
 from serve_deployments.adapter_slots import AdapterKey, AdapterSlots
@@ -415,7 +416,10 @@ class RolloutReplica:
         except Exception as e:
             raise ReplicaError(f"{adapter_name(version, run)} is not loaded here and the registry does not hold "
                                f"it ({_root_message(e)})", 404) from e
-        tensors = await entry["ref"][0]
+        try:
+            tensors = unpack_tensors(await entry["ref"][0])
+        except AdapterError as e:
+            raise ReplicaError(f"{adapter_name(version, run)} rejected: {e}", 422) from e
         return tensors, entry["meta"]
 
     async def unload_adapter(self, version: int, run: str = "", timeout_s: float = 600.0) -> bool:

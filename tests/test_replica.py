@@ -136,7 +136,7 @@ def test_inflight_version_survives_five_loads(serve_env, replica, versions):
 def test_corrupt_payloads_rejected_previous_serves(serve_env, replica, versions):
     import torch
 
-    v_good, v_digest, v_shape = versions.take(3)
+    v_good, v_digest, v_shape, v_cut = versions.take(4)
     good = make_lora_payload(serve_env.model_dir, seed=v_good)
     publish(serve_env.registry, v_good, *good)
     pids = prompt_ids(serve_env.model_dir, "hello")
@@ -159,12 +159,20 @@ def test_corrupt_payloads_rejected_previous_serves(serve_env, replica, versions)
     with pytest.raises(Exception, match="rejected"):
         gen(replica, pids, v_shape).result()
 
-    st = replica.stats.remote().result()
-    assert v_digest not in st["versions"] and v_shape not in st["versions"]
-    assert gen(replica, pids, v_good).result()["token_ids"] == before["token_ids"]
     import ray
 
-    for v in (v_digest, v_shape):  # what the router's all-or-nothing publish does on a refusal
+    from common.adapter_io import pack_tensors
+
+    t, m = make_lora_payload(serve_env.model_dir, seed=v_cut)  # the packed buffer cut short in transit
+    ray.get(serve_env.registry.publish.remote(v_cut, ray.put(pack_tensors(t)[:-100]), m))
+    with pytest.raises(Exception, match="not a safetensors buffer"):
+        replica.load_adapter.remote(v_cut).result()
+
+    st = replica.stats.remote().result()
+    assert not {v_digest, v_shape, v_cut} & set(st["versions"])
+    assert gen(replica, pids, v_good).result()["token_ids"] == before["token_ids"]
+
+    for v in (v_digest, v_shape, v_cut):  # what the router's all-or-nothing publish does on a refusal
         ray.get(serve_env.registry.retire.remote(v))
 
 

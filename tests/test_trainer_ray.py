@@ -30,7 +30,7 @@ def test_torchtrainer_checkpoints_publishes_restores_and_resumes_from_buffer(ray
 
     from app.buffer import BUFFER_NAME, RolloutBuffer
     from app.metrics import METRICS_NAME, RunMetrics
-    from common.adapter_io import tensors_digest
+    from common.adapter_io import tensors_digest, unpack_tensors
     from common.registry import NAMESPACE, REGISTRY_NAME, AdapterRegistry
     from common.types import Group
     from train_loops import trainer
@@ -87,7 +87,7 @@ def test_torchtrainer_checkpoints_publishes_restores_and_resumes_from_buffer(ray
     assert ray.get(buf.stats.remote())["taken_groups"] == grpo.prompts_per_step
     merged = ray.get(registry.get.remote(v + 1))
     assert merged["meta"]["kind"] == "merged"
-    weights = ray.get(merged["ref"][0])
+    weights = unpack_tensors(ray.get(merged["ref"][0]))  # the trainer publishes one safetensors buffer
     base = load_file(str(model / "model.safetensors"))
     assert weights.keys() == base.keys()
     assert not torch.equal(weights["model.layers.0.self_attn.q_proj.weight"],

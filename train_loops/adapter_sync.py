@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from common.adapter_io import make_meta, tensors_nbytes
+from common.adapter_io import make_meta, pack_tensors, tensors_nbytes
 from common.ray_utils import named_actor
 
 
@@ -182,7 +182,7 @@ class AdapterPublisher:
             payload = lora
             meta = make_meta(payload, self.peft_config, kind="adapter")
         t0 = time.perf_counter()
-        ref = ray.put(payload)
+        ref = ray.put(pack_tensors(payload))
         done = ray.get(self.registry.publish.remote(version, ref, meta))
         return {"adapter_bytes": tensors_nbytes(payload), "publish_to_served_seconds": time.perf_counter() - t0,
                 **handover_breakdown(done)}
