@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -486,30 +487,13 @@ def phase_pipeline(args, work: Path, model: Path, out: Path) -> dict:
     res: dict = {}
     # A mode run by an earlier invocation (--modes) on as many GPUs still counts.
     runs = dict(args.prev_runs.get(f"{gpus}gpu", {}))
-    for mode in args.modes.split(","):
-        data = work / "prompts.jsonl"
-        _write_prompts(data, model)
-        steps = args.pipeline_steps if mode == "async" else (args.sync_steps or args.pipeline_steps)
-        cmd = [sys.executable, __file__, "_run", "--model", str(model), "--mode", mode, "--data", str(data),
-               "--steps", str(steps), "--gpus", str(gpus), "--out", str(work / f"run-{mode}.json"),
-               *[a for kv in args.pipeline_set for a in ("--set", kv)]]
-        t0 = time.time()
-        dmon = _dmon_start(out / f"gpu_pipeline_{mode}_dmon.txt")
-        proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
-        if dmon is not None:
-            dmon.terminate()
-        (out / f"gpu_pipeline_{mode}.log").write_text((proc.stdout + proc.stderr)[-200_000:])
-        if proc.returncode != 0 and not (work / f"run-{mode}.json").exists():
-            res[f"{mode}_error"] = proc.stderr[-2000:]
-            continue
-        runs[mode] = json.loads((work / f"run-{mode}.json").read_text())
-        runs[mode]["wall_s"] = time.time() - t0
-        runs[mode]["measured_at"] = _now()
-        runs[mode]["sets"] = list(args.pipeline_set)
-        for name in ("metrics.jsonl", "profile.txt"):
-            if (work / f"run-{mode}.{name}").exists():
-                (out / f"gpu_pipeline_{mode}.{name}").write_text((work / f"run-{mode}.{name}").read_text())
-        runs[mode].update(_dmon_summary(out / f"gpu_pipeline_{mode}_dmon.txt"))
+    with contextlib.ExitStack() as stack:
+        if args.mps:  # the runs' Ray workers inherit the daemon's pipe folder from this process's environment
+            from cluster.gpu_mps import mps_daemon
+
+            stack.enter_context(mps_daemon(work / "mps"))
+        for mode in args.modes.split(","):
+            _pipeline_mode(args, work, model, out, gpus, mode, runs, res)
     res["runs"] = {**args.prev_runs, f"{gpus}gpu": runs}
     a, s = runs.get("async", {}), runs.get("sync", {})
     if a.get("step_seconds_p50"):
@@ -518,7 +502,35 @@ def phase_pipeline(args, work: Path, model: Path, out: Path) -> dict:
     if a.get("step_seconds_p50") and s.get("step_seconds_p50"):
         # Steps per hour, async over sync: the same work per step.
         res[f"async_vs_sync_{gpus}gpu"] = s["step_seconds_p50"] / a["step_seconds_p50"]
+    if runs.get("async-mps", {}).get("step_seconds_p50"):
+        res[f"step_seconds_{gpus}gpu_mps_p50"] = runs["async-mps"]["step_seconds_p50"]
     return res
+
+
+def _pipeline_mode(args, work: Path, model: Path, out: Path, gpus: int, mode: str, runs: dict, res: dict) -> None:
+    """One `app train` run of the pipeline phase; its record goes to runs[mode] (mode-mps under --mps)."""
+    key = f"{mode}-mps" if args.mps else mode
+    data = work / "prompts.jsonl"
+    _write_prompts(data, model)
+    steps = args.pipeline_steps if mode == "async" else (args.sync_steps or args.pipeline_steps)
+    cmd = [sys.executable, __file__, "_run", "--model", str(model), "--mode", mode, "--data", str(data),
+           "--steps", str(steps), "--gpus", str(gpus), "--out", str(work / f"run-{key}.json"),
+           *[a for kv in args.pipeline_set for a in ("--set", kv)]]
+    t0 = time.time()
+    dmon = _dmon_start(out / f"gpu_pipeline_{key}_dmon.txt")
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
+    if dmon is not None:
+        dmon.terminate()
+    (out / f"gpu_pipeline_{key}.log").write_text((proc.stdout + proc.stderr)[-200_000:])
+    if proc.returncode != 0 and not (work / f"run-{key}.json").exists():
+        res[f"{key}_error"] = proc.stderr[-2000:]
+        return
+    runs[key] = json.loads((work / f"run-{key}.json").read_text())
+    runs[key].update(wall_s=time.time() - t0, measured_at=_now(), sets=list(args.pipeline_set), gpu_mps=args.mps)
+    for name in ("metrics.jsonl", "profile.txt"):
+        if (work / f"run-{key}.{name}").exists():
+            (out / f"gpu_pipeline_{key}.{name}").write_text((work / f"run-{key}.{name}").read_text())
+    runs[key].update(_dmon_summary(out / f"gpu_pipeline_{key}_dmon.txt"))
 
 
 def _dmon_start(path: Path):
@@ -611,7 +623,7 @@ def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: s
     # Beside the record: the run's rows and, with train.profile_step, the trainer's profile.
     for src, name in (("metrics.jsonl", "metrics.jsonl"), ("profile.txt", "profile.txt")):
         if (cfg.run_dir / src).exists():
-            (Path(out).parent / f"run-{mode}.{name}").write_text((cfg.run_dir / src).read_text())
+            Path(out).with_name(f"{Path(out).stem}.{name}").write_text((cfg.run_dir / src).read_text())
     ray.shutdown()
 
 
@@ -694,6 +706,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="async,sync", help="pipeline phase: which runs")
     p.add_argument("--trainer-set", action="append", default=[], help="trainer phase: config KEY=VALUE")
     p.add_argument("--pipeline-set", action="append", default=[], help="pipeline phase: config KEY=VALUE")
+    p.add_argument("--mps", action="store_true",
+                   help="pipeline phase: under a CUDA MPS daemon (cluster/gpu_mps.py); runs recorded as MODE-mps")
     p.add_argument("--trainer-ablation", default="",
                    help="trainer phase: extra runs, ';'-separated, each a ','-separated KEY=VALUE list")
     p.add_argument("--shape", default=WORKLOAD["shape"], help="model shape")
