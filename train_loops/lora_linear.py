@@ -6,6 +6,12 @@ backward, on every targeted linear (7 per layer of a Qwen2 body: more elementwis
 rest of the layer). Here the scaling goes on the [tokens, r] activation and the update is added by the
 GEMM itself (`addmm`, beta 1): same math, one rounding fewer, no full-width temporaries.
 
+At rank 1 (the reference workload's) the adapter is an outer product, and a GEMM with an inner dimension
+of 1 ran as a slow cutlass kernel on the H200 (11% of the trainer's GPU time; BENCHMARKS.md). There
+`_Rank1Lora` owns the base product too: the update is a rank-1 `addr_` in place on the output, and in
+backward on the input gradient the base product just made (no second [tokens, in] tensor to add), with
+matrix-vector products for the rest.
+
 Same parameters, names and state dict as PEFT's class (it is a subclass), so checkpoints, publishing
 and merging see no difference. Anything but plain single-adapter LoRA (DoRA and other variants, dropout,
 merged or disabled adapters, extra forward arguments) takes PEFT's own forward. Under ZeRO-3 the
@@ -15,6 +21,32 @@ from __future__ import annotations
 
 import torch
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
+
+
+class _Rank1Lora(torch.autograd.Function):
+    """y = x W^T + bias + s (x a) b^T for a frozen W and a rank-1 adapter (a: [in], b: [out]); x is 2-D."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, a, b, scaling: float):
+        h = torch.mv(x, a) * scaling
+        y = torch.nn.functional.linear(x, weight, bias)
+        y.addr_(h, b)
+        ctx.save_for_backward(x, weight, a, b, h)
+        ctx.scaling = scaling
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, a, b, h = ctx.saved_tensors
+        g = g.contiguous()
+        gh = torch.mv(g, b) * ctx.scaling
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = g @ weight
+            grad_x.addr_(gh, a)
+        grad_a = torch.mv(x.t(), gh) if ctx.needs_input_grad[3] else None
+        grad_b = torch.mv(g.t(), h) if ctx.needs_input_grad[4] else None
+        return grad_x, None, None, grad_a, grad_b, None
 
 
 class FusedLoraLinear(PeftLoraLinear):
@@ -32,6 +64,11 @@ class FusedLoraLinear(PeftLoraLinear):
         if name is None:
             return super().forward(x, *args, **kwargs)
         lora_a, lora_b = self.lora_A[name], self.lora_B[name]
+        if self._rank1_ok(lora_a.weight, lora_b.weight, x):
+            w = self.base_layer.weight
+            y = _Rank1Lora.apply(x.reshape(-1, x.shape[-1]), w, self.base_layer.bias, lora_a.weight.view(-1),
+                                 lora_b.weight.view(-1), float(self.scaling[name]))
+            return y.view(*x.shape[:-1], y.shape[-1])
         result = self.base_layer(x)
         h = lora_a(x.to(lora_a.weight.dtype)) * self.scaling[name]
         if getattr(lora_b.weight, "ds_id", None) is not None:  # ZeRO-3: let the module call gather B
@@ -39,6 +76,14 @@ class FusedLoraLinear(PeftLoraLinear):
         out = result.reshape(-1, result.shape[-1])
         out = torch.addmm(out, h.reshape(-1, h.shape[-1]).to(result.dtype), lora_b.weight.t().to(result.dtype))
         return out.view(result.shape)
+
+    def _rank1_ok(self, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> bool:
+        """The rank-1 function needs a plain frozen torch Linear (not ZeRO-3-partitioned: it reads the weight
+        directly), one dtype throughout and no autocast."""
+        base = self.base_layer
+        return (a.shape[0] == 1 and type(base) is torch.nn.Linear and not base.weight.requires_grad
+                and getattr(base.weight, "ds_id", None) is None and getattr(b, "ds_id", None) is None
+                and x.dtype == a.dtype == b.dtype == base.weight.dtype and not torch.is_autocast_enabled())
 
     def __repr__(self) -> str:
         return "fused_" + super().__repr__()
