@@ -154,7 +154,7 @@ class ServiceStatus:
         return self._runs.base
 
     async def _live(self) -> dict[str, list[int]]:
-        return {run: await self._runs.get(run).live() for run in self._runs.runs()}
+        return await self._runs.live_all()
 
     async def health(self) -> tuple[bool, dict]:
         """Ready when every replica answers and holds every live version (the newest max_loras of them if

@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import math
 import secrets
 import time
 
@@ -118,7 +119,7 @@ class FleetState:
         self._reap()
         if run in self._runs:
             raise FleetError(f"run {run} is already attached to fleet {self.fleet} (its lease ends in "
-                             f"{self._runs[run]['deadline'] - time.monotonic():.0f}s); pick another run.name", 409)
+                             f"{self._lease_left(run):.0f}s); pick another run.name", 409)
         used = self.used_slots()
         if used + slots > self.capacity:
             raise FleetError(
@@ -128,12 +129,15 @@ class FleetState:
         token = new_token()
         self._runs[run] = {"token_sha": digest(token), "slots": slots, "weight": float(weight),
                            "lora_rank": int(lora_rank), "attached_at": time.time(),
-                           "deadline": time.monotonic() + self.lease_s, "meta": dict(meta or {})}
+                           "deadline": math.inf, "meta": dict(meta or {})}
         try:
-            await self._ingress_handle().attach_run.remote(run, slots, float(weight))
+            await (await self._ingress_handle()).attach_run.remote(run, slots, float(weight))
         except Exception:
             self._runs.pop(run, None)
             raise
+        # The lease starts when the run learns it is attached: on a loaded head the handle lookup and the
+        # ingress call took 9 s once, and a lease counted from the request ran out before the first renewal.
+        self._runs[run]["deadline"] = time.monotonic() + self.lease_s
         logger.info("fleet %s: run %s attached (%d slots, weight %g, rank %d)", self.fleet, run, slots, weight,
                     lora_rank)
         self._start_card(run)
@@ -159,9 +163,12 @@ class FleetState:
 
     async def runs(self) -> dict:
         """{run: {"slots", "weight", "lora_rank", "attached_at", "lease_left_s", "meta"}} (no token digests)."""
-        now = time.monotonic()
         return {run: {k: v for k, v in r.items() if k not in ("token_sha", "deadline")}
-                | {"lease_left_s": round(r["deadline"] - now, 1)} for run, r in self._runs.items()}
+                | {"lease_left_s": round(self._lease_left(run), 1)} for run, r in self._runs.items()}
+
+    def _lease_left(self, run: str) -> float:
+        """Seconds until `run` is forgotten; a whole lease while its attach is still under way."""
+        return min(self._runs[run]["deadline"] - time.monotonic(), self.lease_s)
 
     def used_slots(self) -> int:
         return sum(r["slots"] for r in self._runs.values())
@@ -199,11 +206,13 @@ class FleetState:
 
     # ------------------------------------------------------------------ leases
 
-    def _ingress_handle(self):
+    async def _ingress_handle(self):
+        """The fleet ingress's handle. The first lookup asks the Serve controller and blocks, so it runs in a
+        thread: on the event loop it held up every run's lease renewal for seconds on a loaded head."""
         if self._ingress is None:
             from ray import serve
 
-            self._ingress = serve.get_app_handle(self.app_name)
+            self._ingress = await asyncio.to_thread(serve.get_app_handle, self.app_name)
         return self._ingress
 
     def _start_reaper(self) -> None:
@@ -230,7 +239,7 @@ class FleetState:
 
     async def _forget(self, run: str, status: str) -> dict:
         """Unload the run's adapters everywhere (the ingress broadcasts), then drop it: its slots are free."""
-        out = await self._ingress_handle().forget_run.remote(run)
+        out = await (await self._ingress_handle()).forget_run.remote(run)
         r = self._runs.pop(run, None)
         self._end_card(run)
         if r is not None:

@@ -51,7 +51,7 @@ class OpenAIFront:
         """GET /v1/models: the base model (its directory's name, then `base`), every live version and
         `policy-latest` while one is live; on a fleet, every attached run's too (`RUN/policy-vN`)."""
         info = await self._pool.engine_info()
-        live = {run: await self._runs.get(run).live() for run in self._runs.runs()}
+        live = await self._runs.live_all()
         now = int(time.time())
 
         def card(model_id: str, parent: str | None = None) -> dict:

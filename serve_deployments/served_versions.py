@@ -116,6 +116,16 @@ class RunVersions:
     def runs(self) -> list[str]:
         return sorted(self._runs)
 
+    async def live_all(self) -> dict[str, list[int]]:
+        """Every run's live versions. Each run's registry is awaited in turn: a run that left the fleet
+        meanwhile is left out (CI once saw `UnknownRunError: run 'b'` here, a 500 to the client)."""
+        out = {}
+        for run in self.runs():
+            versions = self._runs.get(run)
+            if versions is not None:
+                out[run] = await versions.live()
+        return out
+
     @property
     def base(self) -> ServedVersions:
         return self._runs[""]

@@ -14,6 +14,7 @@ from serve_deployments.admission import Admission
 from serve_deployments.fair_queue import FairQueue
 from serve_deployments.openai_api import ModelNameError, model_run, resolve_model, served_names
 from serve_deployments.openai_body import APIError
+from serve_deployments.openai_front import OpenAIFront
 from serve_deployments.replica_pool import ReplicaPool
 from serve_deployments.rollout_front import RolloutFront
 from serve_deployments.served_versions import RunVersions, UnknownRunError
@@ -68,6 +69,22 @@ def test_run_versions_know_only_attached_runs():
     r.drop("a")
     with pytest.raises(UnknownRunError):
         r.get("a")
+
+
+def test_models_lists_the_runs_left_when_one_leaves_mid_listing():
+    """/v1/models awaits each run's registry in turn; a run forgotten meanwhile is left out, not a 500 (CI saw
+    `UnknownRunError: run 'b'` there when a run's lease ran out while a client polled)."""
+    r = runs({"a": [1], "b": [2]})
+
+    class Leaving(FakeRegistry):  # run a's registry answers after run b has left the fleet
+        async def _live_versions(self):
+            r.drop("b")
+            return [1]
+
+    r._runs["a"]._registry = Leaving([1])
+    front = OpenAIFront(FakePool(), r, Admission(4), None, 4096)
+    ids = {m["id"] for m in json.loads(asyncio.run(front.models()).body)["data"]}
+    assert {"a/policy-v1", "a/policy-latest"} <= ids and not any(i.startswith("b/") for i in ids), ids
 
 
 def test_groups_carry_their_run_and_are_counted_per_run():
