@@ -88,6 +88,9 @@ def serve_policy(cfg: Config, payload: tuple[dict, dict] | None, adapter_dir: st
     body = wait_healthy(handle)
     print(f"serving {cfg.model.path} on http://127.0.0.1:{cfg.rollout.http_port}/v1 "
           f"({body['replicas']} replicas, live: {body['live'] or 'base only'}); Ctrl-C to stop", flush=True)
+    direct = [s["http_url"] for s in handle.stats.remote().result()["replicas"] if s.get("http_url")]
+    if direct:  # rollout.replica_http_port
+        print(f"each replica also on its own port (no routing): {', '.join(direct)}", flush=True)
     # SIGTERM (docker stop, Kubernetes, a background job) stops it like Ctrl-C: app deleted, Ray shut down.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:

@@ -4,6 +4,8 @@ Both servers run at once, each with the engine arguments the replica gets (`engi
 environment `engine_env(cfg)`):
 - REST: our service (Ray Serve: proxy -> Ingress -> one RolloutReplica), a random rank-8 LoRA published as
   policy-v1 through the adapter registry before the app starts (what `app serve --adapter` does);
+- direct: the same replica's own REST port (`rollout.replica_http_port`, serve_deployments/replica_http.py:
+  the same checks and names, in the engine's process, no routing);
 - vLLM: `python -m vllm.entrypoints.openai.api_server` with those arguments as flags and the same adapter
   as `--lora-modules policy-v1=DIR`.
 vLLM's own serving benchmark client (`vllm bench serve`, run in this process through
@@ -18,7 +20,8 @@ within the round. Each pass also records the CPU seconds every process of each s
     python -m app bench rest_vs_vllm
 
 Writes OUT/rest_vs_vllm_{cpu|gpu}.json (`rest_vs_vllm_serve_{cpu|gpu}`: the lower of the completions and
-chat ratios) and a PNG beside it; prints a table. Server logs and the client's output stay in --work.
+chat ratios through the Serve port; `..._replica_port`: the same through the replica's own port) and a PNG
+beside it; prints a table. Server logs and the client's output stay in --work.
 On a GPU machine (untested here) the replica and the vLLM server each get 0.4 of GPU 0 and the model is
 the `qwen2.5-1.5b` shape.
 """
@@ -54,7 +57,8 @@ WORKLOAD = {"input_len": 48, "output_len": 32, "concurrency": 16, "requests": 16
             "dataset": "random", "streaming": True, "ignore_eos": True, "model_name": "policy-v1"}
 SMOKE = {"requests": 32, "rounds": 2}
 ENDPOINTS = {"completions": ("openai", "/v1/completions"), "chat": ("openai-chat", "/v1/chat/completions")}
-SIDES = ("rest", "vllm")
+SIDES = ("rest", "direct", "vllm")
+SIDE_LABELS = {"rest": "our REST (Serve port)", "direct": "our REST (replica port)", "vllm": "vLLM api_server"}
 GOAL = 0.9
 # The Serve processes of our side whose CPU time a pass records (Ray titles them ray::NAME).
 REST_PROCS = {"proxy": "ProxyActor", "ingress": "ServeReplica:policy:Ingress",
@@ -146,8 +150,9 @@ class VllmServer:
         self._log.close()
 
 
-def start_rest(cfg, payload) -> None:
-    """Our service on cfg.rollout.http_port, policy-v1 published before the app starts; waits until healthy."""
+def start_rest(cfg, payload) -> int:
+    """Our service on cfg.rollout.http_port, policy-v1 published before the app starts; waits until healthy.
+    Returns the replica's own REST port."""
     import ray
 
     from common.registry import get_or_create_registry
@@ -157,9 +162,11 @@ def start_rest(cfg, payload) -> None:
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
                                        "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     cfg.rollout.http_port = free_port()  # picked after Ray's own agents bound theirs
+    cfg.rollout.replica_http_port = 0
     handle, version = start_with_adapter(cfg, get_or_create_registry(), payload)
     assert version == 1, version
     wait_healthy(handle)
+    return int(handle.stats.remote().result()["replicas"][0]["http_url"].rsplit(":", 1)[1].split("/")[0])
 
 
 def client_argv(endpoint: str, port: int, model: Path, requests: int, seed: int) -> list[str]:
@@ -193,7 +200,7 @@ def side_pids(side: str, server: VllmServer) -> dict[str, int]:
     if side == "vllm":
         return {"server": server.proc.pid}
     out = {}
-    for name, title in REST_PROCS.items():
+    for name, title in REST_PROCS.items() if side == "rest" else [("replica", REST_PROCS["replica"])]:
         pids = descendant_pids(title)
         if pids:
             out[name] = min(pids)
@@ -235,11 +242,14 @@ def summarize(rounds: list[dict]) -> dict:
             sides[side]["cpu_ms_per_request"] = {
                 name: _median([x["cpu_ms_per_request"].get(name) for x in runs])
                 for name in runs[0]["cpu_ms_per_request"]}
-        ratios = [r[ep]["rest"]["output_tok_s"] / r[ep]["vllm"]["output_tok_s"] for r in measured
-                  if r[ep]["rest"]["output_tok_s"] and r[ep]["vllm"]["output_tok_s"]]
-        ttft = [r[ep]["rest"]["ttft_p50_ms"] / r[ep]["vllm"]["ttft_p50_ms"] for r in measured
-                if r[ep]["rest"]["ttft_p50_ms"] and r[ep]["vllm"]["ttft_p50_ms"]]
-        out[ep] = {**sides, "ratio_runs": ratios, "ratio": _median(ratios), "ttft_p50_ratio": _median(ttft)}
+        out[ep] = sides
+        for side, prefix in (("rest", ""), ("direct", "direct_")):
+            ratios = [r[ep][side]["output_tok_s"] / r[ep]["vllm"]["output_tok_s"] for r in measured
+                      if r[ep][side]["output_tok_s"] and r[ep]["vllm"]["output_tok_s"]]
+            ttft = [r[ep][side]["ttft_p50_ms"] / r[ep]["vllm"]["ttft_p50_ms"] for r in measured
+                    if r[ep][side]["ttft_p50_ms"] and r[ep]["vllm"]["ttft_p50_ms"]]
+            out[ep] |= {f"{prefix}ratio_runs": ratios, f"{prefix}ratio": _median(ratios),
+                        f"{prefix}ttft_p50_ratio": _median(ttft)}
     return out
 
 
@@ -270,15 +280,16 @@ def code_state() -> dict:
 
 
 def table(summary: dict) -> str:
-    head = f"{'endpoint':<12} {'side':<5} {'out tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9}"
+    head = f"{'endpoint':<12} {'side':<6} {'out tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9}"
     lines = [head, "-" * len(head)]
     for ep, s in summary.items():
         for side in SIDES:
             m = s[side]
-            lines.append(f"{ep:<12} {side:<5} {m['output_tok_s']:>9.0f} {m['request_s']:>7.2f} "
+            lines.append(f"{ep:<12} {side:<6} {m['output_tok_s']:>9.0f} {m['request_s']:>7.2f} "
                          f"{m['ttft_p50_ms']:>7.0f}ms {m['ttft_p99_ms']:>7.0f}ms {m['tpot_p50_ms']:>7.1f}ms")
-        lines.append(f"{ep:<12} {'ratio':<5} {s['ratio']:>9.2f}x  (REST / vLLM output tok/s, runs "
-                     + ", ".join(f"{r:.2f}" for r in s["ratio_runs"]) + ")")
+        for prefix, what in (("", "Serve port"), ("direct_", "replica port")):
+            lines.append(f"{ep:<12} {'ratio':<6} {s[prefix + 'ratio']:>9.2f}x  ({what} / vLLM output tok/s, runs "
+                         + ", ".join(f"{r:.2f}" for r in s[prefix + "ratio_runs"]) + ")")
     return "\n".join(lines)
 
 
@@ -294,16 +305,17 @@ def plot(doc: dict, path: Path) -> None:
                            (axes[1], "ttft_p50_ms", "TTFT p50, ms (lower is better)")):
         for j, side in enumerate(SIDES):
             vals = [doc["endpoints"][ep][side][key] or 0 for ep in eps]
-            bars = ax.bar([i + (j - 0.5) * 0.38 for i in range(len(eps))], vals, 0.38,
-                          label={"rest": "our REST (Serve)", "vllm": "vLLM api_server"}[side])
+            bars = ax.bar([i + (j - 1) * 0.27 for i in range(len(eps))], vals, 0.27, label=SIDE_LABELS[side])
             for b, v in zip(bars, vals):
                 ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(range(len(eps)), [f"{ep}\nREST/vLLM {doc['endpoints'][ep]['ratio']:.2f}x" if key ==
-                                        "output_tok_s" else ep for ep in eps])
+        ax.set_xticks(range(len(eps)), [f"{ep}\nServe port {doc['endpoints'][ep]['ratio']:.2f}x, replica port "
+                                        f"{doc['endpoints'][ep]['direct_ratio']:.2f}x" if key == "output_tok_s"
+                                        else ep for ep in eps])
         ax.set_title(label, fontsize=9)
         ax.legend(fontsize=8)
     key = next(k for k in doc if k.startswith("rest_vs_vllm_serve_"))
-    fig.suptitle(f"{key} = {doc[key]:.2f} (goal >= {GOAL}); {doc['workload']['requests']} requests, "
+    fig.suptitle(f"{key} = {doc[key]:.2f}, replica port {doc[key + '_replica_port']:.2f} (goal >= {GOAL}); "
+                 f"{doc['workload']['requests']} requests, "
                  f"{doc['workload']['concurrency']} concurrent, {doc['workload']['input_len']} in / "
                  f"{doc['workload']['output_len']} out tokens, streaming", fontsize=9)
     fig.tight_layout()
@@ -349,11 +361,11 @@ def main(argv=None) -> int:
         starts["vllm_s"] = time.time() - t0
         log(f"vLLM api_server on :{server.port} ({starts['vllm_s']:.0f}s); starting our service ...")
         t0 = time.time()
-        start_rest(cfg, (tensors, meta))
+        direct_port = start_rest(cfg, (tensors, meta))
         starts["rest_s"] = time.time() - t0
-        ports = {"rest": cfg.rollout.http_port, "vllm": server.port}
+        ports = {"rest": cfg.rollout.http_port, "direct": direct_port, "vllm": server.port}
         log(f"REST service on :{ports['rest']} ({starts['rest_s']:.0f}s); {w['rounds']} rounds x "
-            f"{len(ENDPOINTS)} endpoints x 2 sides, {w['requests']} requests each")
+            f"{len(ENDPOINTS)} endpoints x {len(SIDES)} sides, {w['requests']} requests each")
         rounds = []
         with open(work / "client.log", "w") as client_log:
             for r in range(w["rounds"]):
@@ -364,7 +376,7 @@ def main(argv=None) -> int:
                     for side in order:
                         res = one_pass(side, ep, ports, server, model, w["requests"], seed=r, log_file=client_log)
                         row[ep][side] = res
-                        log(f"round {r + 1}/{w['rounds']}{' (warm-up)' if r == 0 else ''} {ep:<11} {side:<4}: "
+                        log(f"round {r + 1}/{w['rounds']}{' (warm-up)' if r == 0 else ''} {ep:<11} {side:<6}: "
                             f"{res['output_tok_s'] or 0:6.0f} tok/s, TTFT p50 {res['ttft_p50_ms'] or 0:5.0f} ms, "
                             f"{res['completed']}/{w['requests']} ok")
                 rounds.append(row)
@@ -383,10 +395,15 @@ def main(argv=None) -> int:
     summary = summarize(rounds)
     key = f"rest_vs_vllm_serve_{device}"
     worst = min(ENDPOINTS, key=lambda ep: summary[ep]["ratio"] if summary[ep]["ratio"] is not None else -1)
+    worst_direct = min(ENDPOINTS, key=lambda ep: summary[ep]["direct_ratio"] or -1)
     doc = {
         key: summary[worst]["ratio"],
-        f"{key}_is": f"the lower of the completions and chat ratios ({worst}): REST / vLLM output tok/s",
+        f"{key}_is": f"the lower of the completions and chat ratios ({worst}): REST through the Serve port "
+                     "(proxy -> Ingress -> replica) / vLLM output tok/s",
+        f"{key}_replica_port": summary[worst_direct]["direct_ratio"],
+        f"{key}_replica_port_is": f"the same through the replica's own REST port ({worst_direct})",
         "goal": f">= {GOAL}", "met": summary[worst]["ratio"] is not None and summary[worst]["ratio"] >= GOAL,
+        "met_replica_port": (summary[worst_direct]["direct_ratio"] or 0) >= GOAL,
         "endpoints": summary, "rounds": rounds,
         "method": f"both servers alive, passes interleaved A B B A over {w['rounds']} rounds (the first a warm-up), "
                   "one endpoint at a time; a ratio is the median over the measured rounds of REST / vLLM within "
@@ -410,7 +427,8 @@ def main(argv=None) -> int:
     except Exception as e:  # a missing matplotlib must not lose the numbers
         log(f"plot failed: {e}")
     print(table(summary))
-    log(f"{key} = {doc[key]:.2f} (goal >= {GOAL}, {worst}); wrote {f} and {f.with_suffix('.png').name}")
+    log(f"{key} = {doc[key]:.2f}, replica port {doc[key + '_replica_port']:.2f} (goal >= {GOAL}); wrote {f} and "
+        f"{f.with_suffix('.png').name}")
     return 0
 
 

@@ -343,6 +343,11 @@ class RolloutConfig:
         50.0, "REST streams: after the first token (sent at once), the tokens that arrive within this many ms travel "
               "as one message through the replica -> ingress -> proxy hops (0 = one message per token, as vLLM's "
               "own server writes them). Ray Serve LLM batches the same way (50 ms).")
+    replica_http_port: int | None = _field(
+        None, "Also serve the OpenAI routes on each replica's own HTTP port, in the engine's process: this port, or "
+              "the next free one for a second replica of the node (0: any free port; null: off). No routing and no "
+              "Serve hops: a client of one replica's port gets that replica at the speed of vLLM's own server. The "
+              "URLs are in the service's stats (`replicas[].http_url`) and printed by `app serve`.")
     tool_parser: str | None = _field(
         "hermes", "vLLM tool parser for REST chat completions with `tools` and tool_choice auto (a name vLLM's "
                   "ToolParserManager knows: hermes for the Qwen/Hermes <tool_call> format); it also reads back "
@@ -360,6 +365,8 @@ class RolloutConfig:
             (self.max_restarts >= 0, f"rollout.max_restarts: must be >= 0, got {self.max_restarts}"),
             (self.groups_per_worker >= 1, "rollout.groups_per_worker: must be >= 1"),
             (1 <= self.http_port <= 65535, "rollout.http_port: must be a TCP port"),
+            (self.replica_http_port is None or 0 <= self.replica_http_port <= 65535,
+             f"rollout.replica_http_port: must be a TCP port, 0 (any) or null (off), got {self.replica_http_port}"),
             (0 <= self.stream_interval_ms <= 1000,
              f"rollout.stream_interval_ms: must be in [0, 1000], got {self.stream_interval_ms}"),
             (self.max_body_bytes >= 1024, f"rollout.max_body_bytes: must be >= 1024, got {self.max_body_bytes}"),

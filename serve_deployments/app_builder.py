@@ -48,6 +48,7 @@ def build_app(cfg: Config, registry_name: str, registry_namespace: str, fleet: s
     replica = RolloutReplica.options(**opts).bind(engine_kwargs(cfg), registry_name, registry_namespace, cfg.max_loras,
                                                   tool_parser=tool_parser_option(cfg),
                                                   stream_interval_ms=cfg.rollout.stream_interval_ms,
+                                                  http=replica_http_options(cfg),
                                                   **({"fleet": fleet} if fleet else {}))
     token = admin_token or cfg.rollout.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
     ingress = Ingress.options(ray_actor_options={
@@ -56,6 +57,14 @@ def build_app(cfg: Config, registry_name: str, registry_namespace: str, fleet: s
     return ingress.bind(replica, str(cfg.model.path), cfg.rollout.replicas, registry_name, registry_namespace, token,
                         routing_options(cfg), max_inflight_per_replica(cfg), cfg.rollout.max_body_bytes,
                         **fleet_kwargs)
+
+
+def replica_http_options(cfg: Config) -> dict | None:
+    """The replica's own REST port (replica_http.py), None when rollout.replica_http_port is off."""
+    if cfg.rollout.replica_http_port is None:
+        return None
+    return {"host": "0.0.0.0", "port": cfg.rollout.replica_http_port,
+            "max_inflight": max_inflight_per_replica(cfg), "max_body_bytes": cfg.rollout.max_body_bytes}
 
 
 def max_inflight_per_replica(cfg: Config) -> int:

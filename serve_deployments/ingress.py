@@ -21,16 +21,13 @@ See docs/ARCHITECTURE.md, "Serving".
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.names import NAMESPACE, REGISTRY_NAME, fleet_app, run_namespace
 from serve_deployments.admin import ADMIN_TOKEN_ENV, AdminRoutes, ServiceStatus, bearer
@@ -38,7 +35,13 @@ from serve_deployments.admission import Admission
 from serve_deployments.fair_queue import FairQueue
 from serve_deployments.fleet_access import FleetAccess
 from serve_deployments.openai_api import CHAT, COMPLETIONS
-from serve_deployments.openai_body import DEFAULT_MAX_BODY_BYTES, add_scrub_roots, error_body, json_response
+from serve_deployments.openai_body import (
+    DEFAULT_MAX_BODY_BYTES,
+    add_scrub_roots,
+    error_body,
+    install_error_handlers,
+    json_response,
+)
 from serve_deployments.openai_front import OpenAIFront
 from serve_deployments.openai_requests import RequestChecker
 from serve_deployments.replica_pool import ReplicaPool
@@ -49,30 +52,12 @@ from serve_deployments.weights_broadcaster import WeightsBroadcaster
 
 __all__ = ["ADMIN_TOKEN_ENV", "DEFAULT_INFLIGHT_PER_REPLICA", "Ingress", "api"]
 
-logger = logging.getLogger("ray.serve")
-
 DEFAULT_INFLIGHT_PER_REPLICA = 256  # rollout.max_inflight_per_replica; app_builder passes 4 x max_num_seqs
 
 api = FastAPI(title="lora-grpo policy service")
 
 
-# ---------------------------------------------------------------- app-level handlers (no 5xx for input)
-
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException):
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return json_response(error_body(exc.status_code, str(exc.detail), kind), exc.status_code)
-
-
-@api.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError):
-    return json_response(error_body(400, "invalid request"), 400)
-
-
-@api.exception_handler(Exception)
-async def _unexpected(request: Request, exc: Exception):
-    logger.exception("unhandled error on %s", request.url.path)
-    return json_response(error_body(500, "internal error", "server_error"), 500)
+install_error_handlers(api)  # no 5xx for input
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0.1})

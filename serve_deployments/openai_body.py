@@ -156,3 +156,28 @@ def _check_str(text: str) -> None:
     except UnicodeEncodeError:
         raise APIError(400, "request body contains an invalid string (a lone UTF-16 surrogate such as \\ud800)"
                        ) from None
+
+
+def install_error_handlers(app) -> None:
+    """OpenAI-style error bodies for what FastAPI itself refuses (unknown routes, methods, unparsable
+    requests) and a scrubbed 500 for a bug: the ingress's app and a replica's own (replica_http.py)."""
+    import logging
+
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    logger = logging.getLogger("ray.serve")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return json_response(error_body(exc.status_code, str(exc.detail), kind), exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return json_response(error_body(400, "invalid request"), 400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return json_response(error_body(500, "internal error", "server_error"), 500)

@@ -60,6 +60,8 @@ from serve_deployments.weight_transport import AdapterTransport, MergedTransport
 
 log = logging.getLogger("ray.serve")
 
+LIVE_CACHE_S = 1.0  # REST resolves names against the registry's live versions as of at most this long ago
+
 class _RunCancelled(Exception):
     """The engine run of a rollout request was cancelled by `expire` (not by the caller)."""
 
@@ -133,7 +135,8 @@ def _has_cuda() -> bool:
 @serve.deployment
 class RolloutReplica:
     async def __init__(self, engine: dict, registry_name: str | None, registry_namespace: str, max_loras: int,
-                       tool_parser: str | None = None, fleet: str | None = None, stream_interval_ms: float = 0.0):
+                       tool_parser: str | None = None, fleet: str | None = None, stream_interval_ms: float = 0.0,
+                       http: dict | None = None):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -152,6 +155,8 @@ class RolloutReplica:
         self._fleet = fleet
         self._registry_of_base = (registry_name, registry_namespace) if registry_name else None
         self._registries: dict[str, object] = {}
+        self._live_cache: dict[str, tuple[float, list[int]]] = {}  # run -> (valid until, live versions)
+        self._http = None
         if not fleet:
             self._registry("")
         self._model = engine["model"]
@@ -190,9 +195,26 @@ class RolloutReplica:
             await self._join_fleet()
         else:
             await self._load_live("")
-        log.info("replica %s ready in %.1fs (engine %.1fs), adapters %s, block size %d", self.replica_id,
+        if http:
+            self._start_http(**http)
+        log.info("replica %s ready in %.1fs (engine %.1fs), adapters %s, block size %d%s", self.replica_id,
                  time.perf_counter() - t0, self.engine_start_s, [k.name for k in self._slots.keys()],
-                 self.block_size)
+                 self.block_size, f", REST on {self._http.url}" if self._http else "")
+
+    def _start_http(self, host: str, port: int, max_inflight: int, max_body_bytes: int) -> None:
+        """The OpenAI routes on this replica's own port (replica_http.py), once it serves its live versions."""
+        from transformers import AutoTokenizer
+
+        from serve_deployments.fleet_access import FleetAccess
+        from serve_deployments.openai_body import add_scrub_roots
+        from serve_deployments.replica_http import ReplicaHttp, bind_socket, build_app
+
+        access = (FleetAccess(lambda: ray.get_actor(fleet_app(self._fleet), namespace=NAMESPACE))
+                  if self._fleet else None)
+        add_scrub_roots(str(self._model).rstrip("/"), os.path.realpath(self._model))
+        app = build_app(self, AutoTokenizer.from_pretrained(self._model), max_inflight, max_body_bytes, access)
+        public = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::") else host
+        self._http = ReplicaHttp(app, bind_socket(host, int(port)), public)
 
     @property
     def _base_version(self) -> int:
@@ -258,11 +280,17 @@ class RolloutReplica:
                 del self._registries[run]
             raise
 
-    async def _live(self, run: str) -> list[int]:
+    async def _live(self, run: str, cached: bool = False) -> list[int]:
         """Run `run`'s live versions, oldest first. _RegistryGone when its registry is gone; none for the run ""
-        of a fleet replica without a registry of its own."""
+        of a fleet replica without a registry of its own. `cached`: as of at most LIVE_CACHE_S ago (every
+        adapter change on this replica clears the cache)."""
+        hit = self._live_cache.get(run) if cached else None
+        if hit is not None and hit[0] > time.monotonic():
+            return hit[1]
         try:
-            return sorted(await self._registry_call(run, "live_versions"))
+            live = sorted(await self._registry_call(run, "live_versions"))
+            self._live_cache[run] = (time.monotonic() + LIVE_CACHE_S, live)
+            return live
         except _RegistryGone:
             if run or not self._fleet:
                 raise
@@ -349,6 +377,7 @@ class RolloutReplica:
         busy after the wait: ReplicaError 409 and nothing is unloaded (the caller tries again). No other
         run's slot is touched. Returns {"run", "unloaded": [versions], "aborted": n}."""
         run = self._check_run(run)
+        self._live_cache.pop(run, None)  # the registry changed this run: REST asks it again
         if not run:
             raise ReplicaError("the standalone run cannot be forgotten; unload its versions instead", 400)
         self._leaving.add(run)
@@ -380,6 +409,7 @@ class RolloutReplica:
         """Fetch, verify, write and `add_lora` run `run`'s version; idempotent. On a bad payload raises
         ReplicaError and leaves every loaded adapter serving."""
         version, run = int(version), self._check_run(run)
+        self._live_cache.pop(run, None)  # the registry changed this run: REST asks it again
         if version < 1:
             raise ReplicaError(f"policy versions start at 1, got {version}")
         if run in self._leaving:
@@ -426,6 +456,7 @@ class RolloutReplica:
         """Drop run `run`'s version: new requests for it are refused at once, in-flight ones finish first.
         False if it was not loaded."""
         version, run = int(version), self._check_run(run)
+        self._live_cache.pop(run, None)  # the registry changed this run: REST asks it again
         if not self._slots.is_loaded(version, run):
             return False
         key = AdapterKey(run, version)
@@ -574,6 +605,7 @@ class RolloutReplica:
         (`drop_if_expired`) are aborted and new ones refused; REST and eval requests finish as usual.
         Returns the number of requests aborted."""
         run = self._check_run(run)
+        self._live_cache.pop(run, None)  # the registry changed this run: REST asks it again
         n = 0
         for v in map(int, versions):
             key = AdapterKey(run, v)
@@ -603,8 +635,12 @@ class RolloutReplica:
         self._check_seed(body.get("seed"))
         run = model_run(body.get("model"))
         try:  # the ingress sends exact names; aliases mean what they mean there (openai_api)
-            live = await self._live(run)
-            version = resolve_model(body.get("model"), live, self._base_version, self._model, run)
+            try:
+                version = resolve_model(body.get("model"), await self._live(run, cached=True), self._base_version,
+                                        self._model, run)
+            except ModelNameError:  # perhaps newer than the cache: ask the registry itself
+                version = resolve_model(body.get("model"), await self._live(run), self._base_version, self._model,
+                                        run)
         except ModelNameError as e:
             raise ReplicaError(e.message, e.status) from None
         base = not run and version == self._base_version
@@ -687,6 +723,7 @@ class RolloutReplica:
     async def update_weights(self, version: int) -> dict:
         """Merge mode: make policy-vN's merged full weights the engine's base weights."""
         version = int(version)
+        self._live_cache.clear()
         if version == self._base_version:
             return {"version": version, "already": True, "replica_id": self.replica_id}
         if version < self._base_version:
@@ -737,7 +774,8 @@ class RolloutReplica:
                 "rejected": {k.version: m for k, m in self.rejected.items() if not k.run},
                 "rejected_adapters": {k.name: m for k, m in self.rejected.items()},
                 "expired": sorted(k.version for k in self._expired if not k.run),
-                "aborted_expired": self.aborted_expired, "pid": os.getpid()}
+                "aborted_expired": self.aborted_expired, "pid": os.getpid(),
+                "http_url": self._http.url if self._http else None}
 
     async def engine_info(self) -> dict:
         return {"block_size": self.block_size, "max_model_len": self.max_model_len, "model": self._model,
@@ -748,6 +786,8 @@ class RolloutReplica:
         await self.engine.check_health()
 
     def __del__(self):
+        if getattr(self, "_http", None) is not None:
+            self._http.stop()
         if getattr(self, "_scratch", None) is not None:
             remove_dir(self._scratch)
         engine = getattr(self, "engine", None)

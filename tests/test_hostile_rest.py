@@ -6,7 +6,9 @@ started the way `python -m app serve --adapter` starts it:
   keeps answering good requests;
 - bodies over rollout.max_body_bytes get 413; requests over the in-flight limit get 429 + Retry-After;
 - served-version proof: `model` is the exact version (policy-latest -> policy-vN, base -> base), the
-  x-adapter-sha256 header is the registry's digest, and the rollout worker's check counts mismatches."""
+  x-adapter-sha256 header is the registry's digest, and the rollout worker's check counts mismatches;
+- the replica's own REST port (rollout.replica_http_port, replica_http.py) refuses the same malformed requests
+  the same way, serves the same names and digests, and answers 429 over its own in-flight limit."""
 from __future__ import annotations
 
 import asyncio
@@ -40,7 +42,7 @@ def svc(serve_env):
 
     retire_all(serve_env.registry)
     cfg = small_config(serve_env.model_dir, replicas=1, max_staleness=1, cpus_per_replica=1.0,
-                       max_inflight_per_replica=1, max_body_bytes=MAX_BODY)
+                       max_inflight_per_replica=1, max_body_bytes=MAX_BODY, replica_http_port=0)
     cfg.rollout.app_name, cfg.rollout.http_port, cfg.rollout.admin_token = APP, serve_env.http_port, TOKEN
     url = f"http://127.0.0.1:{serve_env.http_port}"
     polls: list[tuple[int, int | None]] = []  # (health status, policy-v1 status when health was 200)
@@ -69,7 +71,9 @@ def svc(serve_env):
         poller.join(timeout=60)
     finally:
         stop.set()
-    yield {"handle": handle, "url": url, "v1": version, "sha1": payload[1]["sha256"], "polls": polls, "cfg": cfg}
+    direct = handle.stats.remote().result()["replicas"][0]["http_url"].removesuffix("/v1")
+    yield {"handle": handle, "url": url, "direct_url": direct, "v1": version, "sha1": payload[1]["sha256"],
+           "polls": polls, "cfg": cfg}
     ray.get(serve_env.registry.attach_ingress.remote(None))
     serve.delete(APP)
     retire_all(serve_env.registry)
@@ -79,6 +83,13 @@ def svc(serve_env):
 def client(svc):
     with httpx.Client(base_url=svc["url"], timeout=60) as c:
         yield c
+
+
+@pytest.fixture(scope="module", params=["routed", "direct"])
+def endpoint(request, svc):
+    """(which, client): the Serve port through the ingress, or the replica's own port."""
+    with httpx.Client(base_url=svc["url" if request.param == "routed" else "direct_url"], timeout=60) as c:
+        yield request.param, c
 
 
 def _forbidden(model_dir) -> list[str]:
@@ -113,12 +124,14 @@ def test_at_least_50_cases():
 
 
 @pytest.mark.parametrize("name,method,path,kw", CASES, ids=[c[0] for c in CASES])
-def test_malformed_request_gets_openai_4xx(serve_env, client, name, method, path, kw):
+def test_malformed_request_gets_openai_4xx(serve_env, endpoint, name, method, path, kw):
+    which, client = endpoint
     kw = copy.deepcopy(kw)
     if "json" in kw:
         kw["json"] = {k: (str(serve_env.model_dir) if v == MODEL_DIR else v) for k, v in kw["json"].items()}
     r = client.request(method, path, **kw)
-    want = EXPECTED.get(name)
+    # A replica's port has no admin routes: any 4xx (404), never the admin route's answer.
+    want = None if which == "direct" and path.startswith("/admin") else EXPECTED.get(name)
     assert_openai_error(r, serve_env.model_dir, range(400, 500) if want is None else (want,))
 
 
@@ -253,3 +266,42 @@ def test_rollout_worker_counts_version_mismatches(serve_env, svc, tmp_path):
     assert ray.get(metrics.get_rows.remote())[-1]["version_mismatches"] == 1
     ray.kill(worker)
     ray.kill(metrics)
+
+
+def test_replica_port_serves_the_same_names_digests_and_limits(serve_env, svc, client):
+    """The replica's own port next to the routed one: the same /v1/models, exact names and registry digests
+    (plain and streamed), the base model as `base`, 429 over its own in-flight limit (1 here), and no
+    admin routes."""
+    import ray
+
+    reg = serve_env.registry
+    latest = ray.get(reg.latest_version.remote())
+    sha = ray.get(reg.get.remote(latest))["meta"]["sha256"]
+    with httpx.Client(base_url=svc["direct_url"], timeout=60) as direct:
+        assert direct.get("/health").json()["status"] == "ok"
+        ids = {m["id"] for m in direct.get("/v1/models").json()["data"]}
+        assert ids == {m["id"] for m in client.get("/v1/models").json()["data"]} and f"policy-v{latest}" in ids
+        for path, body in ((C, GOOD), (CH, GOOD_CHAT)):
+            r = direct.post(path, json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == f"policy-v{latest}" and r.headers["x-adapter-sha256"] == sha
+            assert "sha256" not in r.json()
+        r = direct.post(C, json={**GOOD, "model": "base"})
+        assert r.json()["model"] == "base" and "x-adapter-sha256" not in r.headers
+        with direct.stream("POST", C, json={**GOOD, "stream": True, "max_tokens": 6, "ignore_eos": True}) as r:
+            assert r.status_code == 200 and r.headers["x-adapter-sha256"] == sha
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and len(lines) >= 6  # one message per token: no batching here
+        assert {json.loads(ln[6:])["model"] for ln in lines[:-1]} == {f"policy-v{latest}"}
+        assert direct.post("/admin/pause", headers=AUTH).status_code == 404
+
+    long = {**GOOD, "max_tokens": 200, "ignore_eos": True, "temperature": 1.0}
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=svc["direct_url"], timeout=120) as c:
+            return await asyncio.gather(*[c.post(C, json=long) for _ in range(4)])
+
+    codes = sorted(r.status_code for r in asyncio.run(burst()))
+    assert codes.count(200) >= 1 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
+    with httpx.Client(base_url=svc["direct_url"], timeout=60) as direct:
+        assert direct.post(C, json=GOOD).status_code == 200  # the limit freed
