@@ -21,9 +21,13 @@ Phases (each in its own processes, so each starts with a clean GPU):
   latency, async over sync. On one GPU the trainer and the replica share it (recipes/gpu-1x.yaml, the keys
   end in `_1gpu`); on two, one trains and one serves (recipes/gpu-2x.yaml, `_2gpu`).
 
+- rest: benchmarks/rest_vs_vllm.py on this GPU (our REST through the Serve port and through the replica's own
+  port, against vLLM's own server, each engine 0.4 of the GPU): `rest_vs_vllm_serve` and
+  `rest_vs_vllm_serve_replica_port`; its JSON and plot land beside this one as rest_vs_vllm_gpu.*.
+
 Writes OUT/gpu_pipeline.json (the goal keys at top level; a goal not measured is null with the reason
 under `not_measured`; each phase's UTC time under `measured_at`, so one sitting can be told from several)
-and OUT/gpu_pipeline.png. `rest_vs_vllm_serve` comes from benchmarks/rest_vs_vllm.py."""
+and OUT/gpu_pipeline.png."""
 from __future__ import annotations
 
 import argparse
@@ -47,7 +51,8 @@ WORKLOAD = {"shape": "qwen2.5-1.5b", "lora_rank": 1, "target_modules": "all-line
 # Issue 20's goals, all on one GPU.
 GOALS = {"step_seconds_1gpu_p50": ("<=", 4.0), "trainer_vs_peft": (">=", 2.0), "rollout_vs_bare_vllm": (">=", 0.95),
          "lora_vs_base_decode": (">=", 0.85), "publish_to_served_p50_s": ("<=", 0.15),
-         "async_vs_sync_1gpu": (">=", 1.3), "rest_vs_vllm_serve": (">=", 0.9)}
+         "async_vs_sync_1gpu": (">=", 1.3), "rest_vs_vllm_serve": (">=", 0.9),
+         "rest_vs_vllm_serve_replica_port": (">=", 0.9)}
 SMOKE = {"shape": "tiny", "prompts_per_step": 2, "group_size": 4, "prompt_tokens": 16, "new_tokens": 16}
 if os.environ.get("GPU_PIPELINE_SMOKE") == "1":  # --smoke, inherited by the phases' child processes
     WORKLOAD.update(SMOKE)
@@ -627,13 +632,38 @@ def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: s
     ray.shutdown()
 
 
+def phase_rest(args, work: Path, model: Path, out: Path) -> dict:
+    """benchmarks/rest_vs_vllm.py in its own processes, on the phase's model; its goal keys."""
+    device = "gpu" if _gpus() else "cpu"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "rest_vs_vllm.py"), "--shape", args.shape, "--work", str(work),
+           "--out", str(out)] + (["--smoke"] if os.environ.get("GPU_PIPELINE_SMOKE") == "1" else [])
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
+    print(proc.stdout[-3000:], flush=True)
+    f = out / f"rest_vs_vllm_{device}.json"
+    if proc.returncode != 0 or not f.exists():
+        return {"rest_error": (proc.stdout + proc.stderr)[-2000:]}
+    rest = json.loads(f.read_text())
+    key = f"rest_vs_vllm_serve_{device}"
+    return {"rest_vs_vllm_serve": rest[key], "rest_vs_vllm_serve_replica_port": rest[f"{key}_replica_port"],
+            "rest": {"json": f.name, "command": " ".join(["python", *cmd[1:]]),
+                     "endpoints": {ep: {k: v for k, v in e.items() if "ratio" in k}
+                                   for ep, e in rest["endpoints"].items()}}}
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 # ----------------------------------------------------------------------------------------------- report
 
 def finish(doc: dict, gpus: int, out: Path) -> dict:
     reasons = {"step_seconds_1gpu_p50": "no GPU here: the pipeline phase runs on a GPU machine",
                "async_vs_sync_1gpu": "no GPU here: the pipeline phase runs on a GPU machine",
                "publish_to_served_p50_s": "no GPU here: the pipeline phase runs on a GPU machine",
-               "rest_vs_vllm_serve": "measured by benchmarks/rest_vs_vllm.py, not this script"}
+               "rest_vs_vllm_serve": "the rest phase was not run",
+               "rest_vs_vllm_serve_replica_port": "the rest phase was not run"}
     doc.setdefault("not_measured", {})
     for k in GOALS:
         if doc.get(k) is None:
@@ -740,7 +770,7 @@ def main(argv=None) -> int:
             continue  # finish() names the keys it leaves unmeasured
         t0 = time.time()
         print(f"phase {ph} ...", flush=True)
-        fn = {"trainer": phase_trainer, "rollout": phase_rollout, "pipeline": phase_pipeline}[ph]
+        fn = {"trainer": phase_trainer, "rollout": phase_rollout, "pipeline": phase_pipeline, "rest": phase_rest}[ph]
         res = fn(args, work, model, out)
         res[f"{ph}_phase_s"] = time.time() - t0
         doc.setdefault("measured_at", {})[ph] = _now()

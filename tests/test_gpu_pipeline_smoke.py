@@ -33,7 +33,8 @@ def test_trainer_phase_and_report(tmp_path):
     # No GPU here: the pipeline phase is skipped and its goals say why instead of holding a number.
     for key in ("step_seconds_1gpu_p50", "async_vs_sync_1gpu", "publish_to_served_p50_s"):
         assert doc[key] is None and "GPU" in doc["not_measured"][key]
-    assert doc["rest_vs_vllm_serve"] is None and "rest_vs_vllm.py" in doc["not_measured"]["rest_vs_vllm_serve"]
+    for key in ("rest_vs_vllm_serve", "rest_vs_vllm_serve_replica_port"):
+        assert doc[key] is None and "rest phase" in doc["not_measured"][key]
     assert doc["goals"]["trainer_vs_peft"]["met"] == (doc["trainer_vs_peft"] >= 2.0)
     assert set(doc["measured_at"]) == {"trainer"}  # the phases that ran, each with its time
     assert (out / "gpu_pipeline.png").stat().st_size > 0
@@ -78,3 +79,20 @@ def test_dmon_summary_counts_only_busy_samples(tmp_path):
     assert s["gpu_busy_samples"] == 2 and s["gpu_sm_util_mean"] == 70 and s["gpu_sm_ge90_fraction"] == 0.5
     assert s["gpu_mem_util_mean"] == 20
     assert _dmon_summary(tmp_path / "absent.txt") == {}
+
+
+@pytest.mark.bench
+def test_rest_phase_records_both_ports(tmp_path):
+    """The rest phase on CPU: benchmarks/rest_vs_vllm.py --smoke as a child, its two ratios folded into the
+    sitting's JSON beside the other goals, its own JSON beside it."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_pipeline.py"), "--smoke", "--phases",
+                           "rest", "--out", str(out), "--work", str(work)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    doc = json.loads((out / "gpu_pipeline.json").read_text())
+    rest = json.loads((out / "rest_vs_vllm_cpu.json").read_text())
+    assert doc["rest_vs_vllm_serve"] == rest["rest_vs_vllm_serve_cpu"] > 0
+    assert doc["rest_vs_vllm_serve_replica_port"] == rest["rest_vs_vllm_serve_cpu_replica_port"] > 0
+    assert doc["goals"]["rest_vs_vllm_serve_replica_port"]["met"] == (doc["rest_vs_vllm_serve_replica_port"] >= 0.9)
+    assert set(doc["measured_at"]) == {"rest"} and "rest_vs_vllm.py" in doc["rest"]["command"]
