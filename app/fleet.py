@@ -117,7 +117,8 @@ def fleet_status(name: str, address: str | None = None) -> dict:
     out["base_tokens"] = fair.get("runs", {}).get("", {}).get("tokens", 0)
     out["inflight"], out["seq_capacity"] = fair.get("inflight"), fair.get("capacity")
     out["replica_stats"] = [{"replica_id": s.get("replica_id"), "ongoing": s.get("ongoing"),
-                             "adapters": s.get("adapters", []), "quotas": s.get("quotas", {})}
+                             "adapters": s.get("adapters", []), "quotas": s.get("quotas", {}),
+                             "http_url": s.get("http_url")}
                             for s in stats.get("replicas", [])]
     return out
 
@@ -141,7 +142,8 @@ def format_status(st: dict) -> str:
             f"{run_card_app(st['fleet'], run)} (GET {run_card_route(run)})" for run in st["cards"]))
     for rep in st.get("replica_stats", []):
         lines.append(f"replica {rep['replica_id']}: {rep['ongoing']} requests in flight, adapters "
-                     f"{', '.join(rep['adapters']) or 'none'}")
+                     f"{', '.join(rep['adapters']) or 'none'}"
+                     + (f", REST on {rep['http_url']}" if rep.get("http_url") else ""))
     for left in st.get("left", []):
         when = time.strftime("%H:%M:%S", time.localtime(left["time"]))
         lines.append(f"left: {left['run']} ({left['status']}, {when})")

