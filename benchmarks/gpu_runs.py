@@ -76,7 +76,8 @@ def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command
         # The hand-over's parts (train_loops/adapter_sync.handover_breakdown), p50 over the steady steps.
         **{f"{k}_p50": _p50([r.get(k) for r in steady]) for k in (
             "handover_registry_seconds", "handover_broadcast_seconds", "handover_replica_seconds",
-            "handover_fetch_seconds", "handover_add_lora_seconds")},
+            "handover_fetch_seconds", "handover_add_lora_seconds", "handover_verify_seconds",
+            "handover_evict_seconds", "handover_write_seconds")},
         "expired_groups": rows[-1].get("rollout_expired_groups", 0) if rows else None,
         "dropped_samples": rows[-1].get("dropped_samples") if rows else None,
         "published": sum(r.get("published", 0) for r in rows), "aliased": sum(r.get("aliased", 0) for r in rows),

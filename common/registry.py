@@ -204,9 +204,12 @@ class AdapterRegistry:
                 "last_expire_error": self._last_expire_error}
 
 
+REPLICA_STEPS_MS = ("add_lora_ms", "verify_ms", "evict_ms", "write_ms")  # a replica load's parts
+
+
 def _slowest_replica(loaded) -> dict:
     """Where a hand-over's time went, from the ingress broadcast's answer: its own time and the slowest
-    replica's (its fetch from the object store and vLLM's add_lora within it)."""
+    replica's (within it: the object-store fetch, the checks, an eviction, the adapter file, vLLM's add_lora)."""
     if not isinstance(loaded, dict):
         return {}
     out = {"broadcast_seconds": loaded.get("seconds")}
@@ -214,7 +217,7 @@ def _slowest_replica(loaded) -> dict:
                key=lambda r: r["seconds"], default=None)
     if slow is not None:
         out.update(replica_seconds=slow["seconds"], replica_fetch_seconds=slow.get("fetch_seconds"),
-                   replica_add_lora_ms=slow.get("add_lora_ms"))
+                   **{f"replica_{k}": slow.get(k) for k in REPLICA_STEPS_MS})
     return {k: v for k, v in out.items() if v is not None}
 
 

@@ -98,8 +98,8 @@ def verify_merged(tensors: dict, meta: dict, shapes: BaseModelShapes) -> None:
         raise AdapterError(f"merged weights lack {len(missing)} base tensors, e.g. {missing[:3]}")
 
 
-def write_adapter_dir(tensors: dict, meta: dict, root: Path, name: str) -> Path:
-    return write_peft_dir(tensors, meta["peft_config"], root / name)
+def write_adapter_dir(tensors: dict, meta: dict, root: Path, name: str, packed: bytes | None = None) -> Path:
+    return write_peft_dir(tensors, meta["peft_config"], root / name, packed)
 
 
 def remove_dir(path: str | Path) -> None:

@@ -430,27 +430,29 @@ class RolloutReplica:
                                f"{policy_name(self._base_version)} this replica serves as its base model", 410)
         t0 = time.perf_counter()
         await self._refresh_quota(run)
-        tensors, meta = await self._fetch(version, run)
+        tensors, meta, packed = await self._fetch(version, run)
         fetched = time.perf_counter() - t0
         if run and payload_kind(meta) == "merged":
             raise ReplicaError(f"{name} rejected: merged weights cannot be served on a fleet (they would replace "
                                "the base model every run shares)", 422)
-        out = await self._adapters.load(version, tensors, meta, run)
+        out = await self._adapters.load(version, tensors, meta, run, packed)
         return {"version": version, "run": run, "name": name, "loaded": True, "already": False,
                 "replica_id": self.replica_id, "evicted": out["evicted"], "seconds": time.perf_counter() - t0,
-                "fetch_seconds": fetched, "add_lora_ms": out["add_lora_ms"]}
+                "fetch_seconds": fetched, **{k: out[k] for k in ("add_lora_ms", "verify_ms", "evict_ms", "write_ms")}}
 
-    async def _fetch(self, version: int, run: str = "") -> tuple[dict, dict]:
+    async def _fetch(self, version: int, run: str = "") -> tuple[dict, dict, bytes | None]:
+        """Run `run`'s version from its registry: (tensors, meta, the packed buffer they came from, if packed)."""
         try:
             entry = await self._registry_call(run, "get", version)
         except Exception as e:
             raise ReplicaError(f"{adapter_name(version, run)} is not loaded here and the registry does not hold "
                                f"it ({_root_message(e)})", 404) from e
         try:
-            tensors = unpack_tensors(await entry["ref"][0])
+            payload = await entry["ref"][0]
+            tensors = unpack_tensors(payload)
         except AdapterError as e:
             raise ReplicaError(f"{adapter_name(version, run)} rejected: {e}", 422) from e
-        return tensors, entry["meta"]
+        return tensors, entry["meta"], bytes(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else None
 
     async def unload_adapter(self, version: int, run: str = "", timeout_s: float = 600.0) -> bool:
         """Drop run `run`'s version: new requests for it are refused at once, in-flight ones finish first.
@@ -736,7 +738,7 @@ class RolloutReplica:
             # A tagged version (the trainer's weights did not move): the engine already holds them.
             self._merged.tag(version)
             return {"version": version, "already": True, "replica_id": self.replica_id}
-        tensors, meta = await self._fetch(version)
+        tensors, meta, _ = await self._fetch(version)
         path = self._merged.stage(version, tensors, meta)
         del tensors
         async with self._load_lock:

@@ -85,11 +85,12 @@ class AdapterTransport:
             self._next_id += 1
         return self._ids[key]
 
-    async def load(self, version: int, tensors: dict, meta: dict, run: str = "") -> dict:
+    async def load(self, version: int, tensors: dict, meta: dict, run: str = "", packed: bytes | None = None) -> dict:
         """Verify and register run `run`'s `version`; on a bad payload raise ReplicaError (422) and leave every
         loaded adapter serving; with every slot the run may take busy raise ReplicaError (503). Returns
         {"evicted": name of the adapter evicted to make room, or None, "add_lora_ms"}."""
         name = adapter_name(version, run)
+        t0 = time.perf_counter()
         try:
             verify_adapter(tensors, meta, self.shapes, self.max_rank)
             self.slots.check_digest(version, meta["sha256"], run)
@@ -99,21 +100,25 @@ class AdapterTransport:
             victim = self.slots.victim(run)
         except SlotsFullError as e:
             raise ReplicaError(str(e), 503) from e
+        t1 = time.perf_counter()
         if victim is not None:
             await self.evict(victim.version, victim.run)
+        t2 = time.perf_counter()
         # `/` would make a subdirectory; `@` is in no run name, so the dir names stay distinct.
-        path = write_adapter_dir(tensors, meta, self.scratch, f"{name.replace('/', '@')}-{meta['sha256'][:12]}")
+        path = write_adapter_dir(tensors, meta, self.scratch, f"{name.replace('/', '@')}-{meta['sha256'][:12]}",
+                                 packed)
         req = self._lora_request(name, self.lora_id(version, run), str(path))
-        t0 = time.perf_counter()
+        t3 = time.perf_counter()
         try:
             await self.engine.add_lora(req)
         except Exception as e:
             remove_dir(path)
             raise ReplicaError(f"{name} rejected by the engine: {e}", 422) from e
-        self.add_lora_ms.append((time.perf_counter() - t0) * 1e3)
+        self.add_lora_ms.append((time.perf_counter() - t3) * 1e3)
         self.slots.add(version, str(path), meta["sha256"], run)
         self.requests[name] = req
-        return {"evicted": victim.name if victim is not None else None, "add_lora_ms": self.add_lora_ms[-1]}
+        return {"evicted": victim.name if victim is not None else None, "add_lora_ms": self.add_lora_ms[-1],
+                "verify_ms": (t1 - t0) * 1e3, "evict_ms": (t2 - t1) * 1e3, "write_ms": (t3 - t2) * 1e3}
 
     def request(self, version: int, run: str = ""):
         return self.requests[adapter_name(version, run)]

@@ -151,6 +151,9 @@ def test_publish_all_or_nothing(serve_env, svc, url, versions):
     h = handover_breakdown(done)
     assert h["handover_registry_seconds"] >= h["handover_broadcast_seconds"] >= h["handover_replica_seconds"] \
         >= max(h["handover_fetch_seconds"], h["handover_add_lora_seconds"]) > 0, h
+    parts = ("fetch", "verify", "evict", "write", "add_lora")
+    assert h["handover_replica_seconds"] >= sum(h[f"handover_{p}_seconds"] for p in parts), h
+    assert h["handover_verify_seconds"] > 0 and h["handover_write_seconds"] > 0, h
     st = svc.stats.remote().result()
     assert all(good in r["versions"] for r in st["replicas"]) and len(st["replicas"]) == 2
     assert svc.live_versions.remote().result()[-1] == good

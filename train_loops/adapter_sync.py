@@ -35,14 +35,16 @@ def gather_lora_state(peft_model, zero_stage: int) -> dict[str, torch.Tensor]:
 
 def handover_breakdown(done) -> dict:
     """The registry's answer to a publish as row keys (`handover_*`, seconds): its own time, the ingress
-    broadcast's, the slowest replica's, and that replica's object-store fetch and vLLM add_lora."""
+    broadcast's, the slowest replica's, and within that replica's: the object-store fetch, the checks
+    (verify), an eviction, the adapter file (write) and vLLM's add_lora."""
     if not isinstance(done, dict):
         return {}
     keys = {"seconds": "handover_registry_seconds", "broadcast_seconds": "handover_broadcast_seconds",
             "replica_seconds": "handover_replica_seconds", "replica_fetch_seconds": "handover_fetch_seconds"}
     out = {row: float(done[k]) for k, row in keys.items() if isinstance(done.get(k), (int, float))}
-    if isinstance(done.get("replica_add_lora_ms"), (int, float)):
-        out["handover_add_lora_seconds"] = done["replica_add_lora_ms"] / 1000.0
+    for part in ("add_lora", "verify", "evict", "write"):
+        if isinstance(done.get(f"replica_{part}_ms"), (int, float)):
+            out[f"handover_{part}_seconds"] = done[f"replica_{part}_ms"] / 1000.0
     return out
 
 
