@@ -143,9 +143,13 @@ def _attach_to_fleet(cfg: Config, actors):
 def _log_cluster(cfg: Config, run_dir: Path) -> None:
     import ray
 
+    # The GCS address it really is on: a plain ray.init() joins the last `ray start` cluster it finds, and
+    # a user should see which cluster a "local" run landed on.
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
+    gcs = ray.get_runtime_context().gcs_address
+    where = f"local cluster {gcs}" if address in (None, "", "local") else f"joined {address} ({gcs})"
     resources = ray.cluster_resources()
-    logger.info("ray: %s, %s CPUs%s; engine logs in %s", f"joined {address}" if address else "local cluster",
+    logger.info("ray: %s, %s CPUs%s; engine logs in %s", where,
                 int(resources.get("CPU", 0)), f", {int(resources['GPU'])} GPUs" if resources.get("GPU") else "",
                 run_dir / "logs")
 

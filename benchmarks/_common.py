@@ -15,10 +15,31 @@ from pathlib import Path
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+# Ports handed to servers we start (Serve's HTTP port, a vLLM server) come from below the kernel's
+# ephemeral range and above Ray's worker ports (10002-19999): every port Ray binds for itself (a driver's
+# gRPC server, agents, the GCS) is an ephemeral one, so a port picked here cannot be taken by Ray between
+# the pick and the server's bind. CI lost a whole run to that: the driver's gRPC server got the very port
+# picked for Serve a moment before, Serve's proxy never bound, and the module's Ray stayed connected.
+_PORTS = (20000, 32767)
+_given: set[int] = set()  # a test picks several before starting anything: never the same one twice
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    import random
+
+    lo, hi = _PORTS
+    for _ in range(200):
+        port = random.randint(lo, hi)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise OSError(f"no free port in {lo}..{hi}")
 
 
 # ---------------------------------------------------------------------------------------- statistics

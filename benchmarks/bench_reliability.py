@@ -315,7 +315,7 @@ def _free_port() -> int:
 
 
 def _train_proc(args: list[str], log: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = dict(os.environ, RAY_ADDRESS="local")  # its own cluster, never one found running on the machine
     env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return subprocess.Popen([sys.executable, "-m", "app", "train", "--no-progress", *args], cwd=REPO, env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)

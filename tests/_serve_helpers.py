@@ -51,10 +51,10 @@ def serve_env(tiny_model_dir, tmp_path_factory):
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    port = free_port()
-    serve.start(http_options={"port": port})
-    registry = get_or_create_registry(keep=100)  # tests decide what is live, not trimming
     try:
+        port = free_port()
+        serve.start(http_options={"port": port})
+        registry = get_or_create_registry(keep=100)  # tests decide what is live, not trimming
         yield ServeEnv(model_dir=tiny_model_dir, registry=registry, tmp=tmp_path_factory.mktemp("serve"),
                        http_port=port)
     finally:

@@ -67,10 +67,10 @@ def e2e_run(tiny_model_dir, tmp_path_factory):
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
                                        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600"}})
-    serve.start(http_options={"port": port})
     killer = KillTrainWorker(out / "e2e" / "metrics.jsonl", KILL_AFTER_STEP)
-    killer.start()
     try:
+        serve.start(http_options={"port": port})
+        killer.start()
         try:
             summary = driver.run(cfg, keep_serving=True, progress=False)
         finally:

@@ -72,8 +72,7 @@ def test_app_eval_on_tiny_model(tiny_model_dir):
     """The base tiny model answers with one of the three capitals: about a third right, greedy."""
     from tests._serve_helpers import free_port
 
-    env = dict(os.environ, TERM="dumb", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("RAY_ADDRESS", None)
+    env = dict(os.environ, TERM="dumb", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", RAY_ADDRESS="local")
     proc = subprocess.run(
         [sys.executable, "-m", "app", "eval", "--model", str(tiny_model_dir), "--data", "builtin:letters-heldout",
          "--samples", "24", "--pass-k", "2", "--json", "--set", "rollout.replicas=1",

@@ -53,13 +53,13 @@ def fleet(tiny_model_dir, tmp_path_factory):
     from app.fleet import fleet_down, fleet_up
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
-    ray.init(address=cluster.address, log_to_driver=False)
     port = free_port()
     cfg = C.load("recipes/tiny-cpu.yaml", [
         f"model.path={tiny_model_dir}", "model.build_tiny=false", "rollout.replicas=1", f"rollout.http_port={port}",
         "rollout.proxy_location=HeadOnly", f"sync.max_loras={SLOTS}", "rollout.max_lora_rank=8",
         "rollout.cpus_per_replica=0.5", "rollout.replica_http_port=0"])
-    try:
+    try:  # from here on the cluster goes down whatever fails (a cluster left up outlives the test session)
+        ray.init(address=cluster.address, log_to_driver=False)
         out = fleet_up(cfg, FLEET, SLOTS, LEASE_S, admin_token=ADMIN, read_token=READ)
         yield {"address": cluster.address, "port": port, "out": tmp_path_factory.mktemp("fleet"), **out}
         fleet_down(FLEET, ADMIN)

@@ -41,6 +41,18 @@ def _get(url: str):
         return None
 
 
+def _submit(cmd: list[str], env: dict, wait_s: float = 180) -> subprocess.CompletedProcess:
+    """`ray job submit`, again while the node's agent has not registered yet: the dashboard answers
+    /api/version before the agent that runs jobs is up (a loaded CI machine: "No available agent to
+    submit job, please try again later"), as a user retrying by hand would."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        if r.returncode == 0 or "No available agent" not in r.stderr or time.monotonic() > deadline:
+            return r
+        time.sleep(3)
+
+
 def test_job_submit_serves_and_exports_metrics(tiny_model_dir, tmp_path):
     ray_bin = str(Path(sys.executable).parent / "ray")
     gcs, dash, prom, http = free_port(), free_port(), free_port(), free_port()
@@ -62,7 +74,7 @@ def test_job_submit_serves_and_exports_metrics(tiny_model_dir, tmp_path):
             assert time.monotonic() < deadline, "dashboard did not come up"
             time.sleep(2)
         out = tmp_path / "runs"
-        submit = subprocess.run(
+        submit = _submit(
             [ray_bin, "job", "submit", "--address", api, "--working-dir", str(REPO), "--no-wait", "--",
              "python", "-m", "app", "train", "--config", "recipes/tiny-cpu.yaml",
              "--set", f"model.path={tiny_model_dir}", "--set", "model.build_tiny=false",
@@ -70,7 +82,7 @@ def test_job_submit_serves_and_exports_metrics(tiny_model_dir, tmp_path):
              "--set", f"rollout.http_port={http}", "--set", "checkpoint.every=0", "--set", "run.mode=sync",
              "--set", "rollout.replicas=1", "--set", "train.num_workers=1", "--set", "rollout.workers=1",
              "--set", "run.log_every=2", "--set", "eval.every=2", "--set", "eval.samples=16"],
-            env=env, capture_output=True, text=True, timeout=300)
+            env=env)
         assert submit.returncode == 0, submit.stdout + submit.stderr
         job_id = re.search(r"raysubmit_[A-Za-z0-9]+", submit.stdout).group(0)
 

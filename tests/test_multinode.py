@@ -17,12 +17,14 @@ def cluster():
 
     # The head holds no CPU, like a cluster whose head only coordinates; two 1-CPU worker nodes.
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    workers = [c.add_node(num_cpus=1) for _ in range(2)]
-    c.wait_for_nodes()
-    ray.init(address=c.address, namespace="test-multinode", log_to_driver=False)
-    yield c, workers
-    ray.shutdown()
-    c.shutdown()
+    try:
+        workers = [c.add_node(num_cpus=1) for _ in range(2)]
+        c.wait_for_nodes()
+        ray.init(address=c.address, namespace="test-multinode", log_to_driver=False)
+        yield c, workers
+    finally:
+        ray.shutdown()
+        c.shutdown()
 
 
 def _node_of(actor) -> str:

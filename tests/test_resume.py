@@ -27,8 +27,10 @@ STEPS, PROMPTS, PER_STEP = 12, 16, 4  # an epoch every 4 steps
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return {**env, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # RAY_ADDRESS=local: a cluster of its own even where another one runs on this machine (a plain ray.init()
+    # joins the last `ray start` or test Cluster it finds: a leftover one hung CI's run 600 s)
+    return {**os.environ, "RAY_ADDRESS": "local", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
