@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._common import descendant_pids  # noqa: E402
+from benchmarks._common import descendant_pids, free_port  # noqa: E402
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -244,7 +244,7 @@ def run_with_faults(work: Path, model: Path, steps: int, prompts: int, quick: bo
     from benchmarks.hostile_cases import TOKEN
     from common import config as C
 
-    port = _free_port()
+    port = free_port()
     max_body = 256 * 1024
     cfg = C.load(str(REPO / "recipes" / "tiny-cpu.yaml"), [
         f"model.path={model}", "model.build_tiny=false", f"run.out_dir={work}", "run.name=faults",
@@ -306,13 +306,6 @@ def run_with_faults(work: Path, model: Path, steps: int, prompts: int, quick: bo
 
 # ---------------------------------------------------------------- 2. driver SIGKILL + --resume
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _train_proc(args: list[str], log: Path) -> subprocess.Popen:
     env = dict(os.environ, RAY_ADDRESS="local")  # its own cluster, never one found running on the machine
@@ -338,7 +331,7 @@ def driver_kill_and_resume(work: Path, model: Path, steps: int, prompts: int, se
     for s in [f"model.path={model}", "model.build_tiny=false", f"run.out_dir={work}", "run.name=resume",
               f"train.total_steps={steps}", "checkpoint.every=2", f"data.builtin_size={prompts}",
               f"grpo.prompts_per_step={per_step}", "grpo.group_size=4", "eval.path=null", "rollout.replicas=1",
-              "train.num_workers=1", f"rollout.http_port={_free_port()}", *sets]:
+              "train.num_workers=1", f"rollout.http_port={free_port()}", *sets]:
         cli += ["--set", s]
     out: dict = {"config": {"steps": steps, "prompts": prompts, "prompts_per_step": per_step, "group_size": 4,
                             "checkpoint_every": 2}}

@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks._common import free_port  # noqa: E402
 
 WORKLOAD = {"shape": "qwen2.5-1.5b", "lora_rank": 1, "target_modules": "all-linear", "prompts_per_step": 16,
             "group_size": 8, "prompt_tokens": 256, "new_tokens": 1024, "ignore_eos": True, "max_staleness": 2,
@@ -76,12 +76,6 @@ def _median(xs):
     import statistics
 
     return statistics.median(xs) if xs else None
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -145,7 +139,7 @@ def _run_trainer(args, work: Path, model: Path, sets: list[str], profile: bool) 
                             synthetic_completion_len=w["new_tokens"])
     work.mkdir(parents=True, exist_ok=True)
     (work / "loop.json").write_text(json.dumps(loop_config(config, options)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
            "-m", "train_loops.worker", str(work / "loop.json")]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
@@ -432,8 +426,8 @@ def phase_rollout(args, work: Path, model: Path, out: Path) -> dict:
     res["bare_start_s"] = time.time() - t0
     ray.init(address="local", num_gpus=gpus, include_dashboard=False, runtime_env={"env_vars": {
         "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": _env()["PYTHONPATH"]}})
-    # A free port picked after Ray's own agents bound theirs (52365 was taken by the dashboard agent once).
-    cfg = _config(model, gpus, http_port=_port(), gpu_memory_utilization=ROLLOUT_MEM)
+    # free_port picks outside the range Ray's agents bind in (52365 was taken by the dashboard agent once).
+    cfg = _config(model, gpus, http_port=free_port(), gpu_memory_utilization=ROLLOUT_MEM)
     try:
         from common.registry import get_or_create_registry
 

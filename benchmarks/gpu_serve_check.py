@@ -12,21 +12,17 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from benchmarks._common import free_port  # noqa: E402
+
 PROMPTS = [f"Say the letter {a}, not {b} or {c}." for a, b, c in
            ["KQZ", "ABC", "XYW", "MNO", "PRS", "TUV", "DEF", "GHJ"]]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def peft_logprobs(model_dir: str, adapter: str | None, prompts: list[list[int]], outs: list[list[int]]):
@@ -67,7 +63,7 @@ def main(argv=None) -> int:
     import httpx
     from transformers import AutoTokenizer
 
-    port = _port()
+    port = free_port()
     cmd = [sys.executable, "-m", "app", "serve", "--model", args.model, "--adapter", args.adapter, "--port", str(port),
            "--replicas", "1", "--set", "train.use_gpu=true", "--set", "rollout.gpus_per_replica=1",
            "--set", f"rollout.gpu_memory_utilization={args.gpu_fraction}", "--set", "model.dtype=bfloat16"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,17 +19,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks._common import free_port  # noqa: E402
+
 SHAPES = {
     "tiny": {},
     "qwen1.5b-body": {"hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2, "intermediate": 8960,
                       "pretrain_steps": 0},
 }
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None) -> int:
@@ -69,7 +65,7 @@ def main(argv=None) -> int:
         cfg_file = work / f"loop_z{zero}.json"
         cfg_file.write_text(json.dumps(loop_config(config, options)))
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-               f"--master_port={_port()}", "-m", "train_loops.worker", str(cfg_file)]
+               f"--master_port={free_port()}", "-m", "train_loops.worker", str(cfg_file)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                    TOKENIZERS_PARALLELISM="false")
         t1 = time.time()

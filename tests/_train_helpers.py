@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks._common import free_port
 from common.config import Config, from_dict, validate
 from train_loops.worker import GRPOWorker, WorkerOptions, loop_config, read_loop_config
 
@@ -51,11 +51,6 @@ def small_config(model_path: Path, **sections) -> Config:
     return cfg
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_torchrun(cfg: Config, options: WorkerOptions, workdir: Path, nproc: int = 2, timeout: int = 240) -> str:
     """Run train_loops.worker under torchrun with `cfg` and `options` (its JSON file goes to `workdir`);
@@ -66,7 +61,7 @@ def run_torchrun(cfg: Config, options: WorkerOptions, workdir: Path, nproc: int 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", "-m", "train_loops.worker", str(cfg_file)]
+           f"--master_port={free_port()}", "-m", "train_loops.worker", str(cfg_file)]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr
     if p.returncode != 0:
