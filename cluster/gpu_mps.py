@@ -19,6 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 CONTROL = "nvidia-cuda-mps-control"
+# A CUDA context made through the daemon, and a kernel run in it.
+CUDA_PROBE = ("import torch; x = torch.ones(1024, device='cuda'); torch.cuda.synchronize(); "
+              "assert float(x.sum()) == 1024.0")
 ENV_KEYS = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
 
 
@@ -27,9 +30,14 @@ class MpsError(RuntimeError):
 
 
 @contextlib.contextmanager
-def mps_daemon(root: Path) -> Iterator[dict]:
+def mps_daemon(root: Path, probe: list[str] | None = None) -> Iterator[dict]:
     """Start an MPS control daemon for this process and its children (os.environ gets the pipe and log
-    folders, as Ray's workers need them), stop it on exit and put the environment back."""
+    folders, as Ray's workers need them), stop it on exit and put the environment back.
+
+    `probe`: a command run as the daemon's first client before the caller's work. A daemon can start and
+    still serve no client (a container without the IPC it needs); that shows only when a process makes
+    its CUDA context, which for a pipeline run is minutes in, inside a Ray worker. A failing probe stops
+    the daemon and raises MpsError with the probe's output."""
     exe = shutil.which(CONTROL)
     if exe is None:
         raise MpsError(f"{CONTROL} is not on PATH: CUDA MPS needs the NVIDIA driver's utilities on this node")
@@ -40,6 +48,16 @@ def mps_daemon(root: Path) -> Iterator[dict]:
     proc = subprocess.run([exe, "-d"], env={**os.environ, **env}, capture_output=True, text=True, timeout=30)
     if proc.returncode != 0:
         raise MpsError(f"{CONTROL} -d failed (exit {proc.returncode}): {(proc.stderr or proc.stdout).strip()[-500:]}")
+    if probe is not None:
+        try:
+            check = subprocess.run(probe, env={**os.environ, **env}, capture_output=True, text=True, timeout=180)
+            bad = check.returncode != 0 and f"exit {check.returncode}: {(check.stderr or check.stdout).strip()[-500:]}"
+        except subprocess.TimeoutExpired:
+            bad = "no answer in 180 s"
+        if bad:
+            subprocess.run([exe], input="quit\n", env={**os.environ, **env}, capture_output=True, text=True,
+                           timeout=60)
+            raise MpsError(f"the MPS daemon started but its first client failed ({bad}); log: {log}")
     saved = {k: os.environ.get(k) for k in ENV_KEYS}
     os.environ.update(env)
     try:

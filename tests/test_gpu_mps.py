@@ -62,3 +62,24 @@ def test_failing_or_missing_control_is_named(tmp_path, monkeypatch):
     with pytest.raises(MpsError, match="not on PATH"):
         with mps_daemon(tmp_path / "mps2"):
             pass
+
+
+def test_probe_runs_as_first_client_and_a_failing_one_stops_the_daemon(tmp_path, monkeypatch):
+    """The probe sees the daemon's pipe folder; when it fails, the daemon gets its `quit` and the caller's
+    block never runs (a pipeline run would otherwise fail minutes in, inside a Ray worker)."""
+    import sys
+
+    calls = _stand_in(tmp_path, monkeypatch)
+    root = tmp_path / "mps"
+    seen = tmp_path / "seen.txt"
+    ok = [sys.executable, "-c", f"import os; open({str(seen)!r}, 'w').write(os.environ['CUDA_MPS_PIPE_DIRECTORY'])"]
+    with mps_daemon(root, probe=ok):
+        pass
+    assert seen.read_text() == str(root / "pipe")
+    ran = []
+    bad = [sys.executable, "-c", "import sys; sys.stderr.write('cudaErrorMpsConnectionFailed'); sys.exit(4)"]
+    with pytest.raises(MpsError, match=r"first client failed \(exit 4: cudaErrorMpsConnectionFailed\)"):
+        with mps_daemon(tmp_path / "mps2", probe=bad):
+            ran.append(1)
+    assert not ran and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    assert calls.read_text().splitlines()[-1].rstrip().endswith("stdin=quit")
