@@ -12,6 +12,15 @@ of 1 ran as a slow cutlass kernel on the H200 (11% of the trainer's GPU time; BE
 backward on the input gradient the base product just made (no second [tokens, in] tensor to add), with
 matrix-vector products for the rest.
 
+When a call has at least as many rows (tokens) as the layer has inputs, as every training micro-batch
+does, `_MergedLora` folds the adapter into a transient weight instead: W + s B A costs out x in x r, the
+rank-r update on the output costs tokens x out x r plus a full read and write of the output, forward and
+backward (the rank-1 `addr_` was 18% of the trainer's GPU time on the H200; BENCHMARKS.md). The forward and
+the input gradient are then one GEMM each, as for the frozen base; the adapter's gradients come from
+[tokens, r] products. The merged weight is rounded to the model dtype once per call: in bfloat16 its error
+against a float32 reference is no larger than PEFT's (tests/test_lora_linear.py), and it is the weight the
+engine serves in merge mode.
+
 Same parameters, names and state dict as PEFT's class (it is a subclass), so checkpoints, publishing
 and merging see no difference. Anything but plain single-adapter LoRA (DoRA and other variants, dropout,
 merged or disabled adapters, extra forward arguments) takes PEFT's own forward. Under ZeRO-3 the
@@ -21,6 +30,9 @@ from __future__ import annotations
 
 import torch
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
+
+# Merge the adapter into the call's weight when the call has at least this many rows per input feature.
+MERGE_MIN_ROWS_PER_INPUT = 1.0
 
 
 class _Rank1Lora(torch.autograd.Function):
@@ -49,6 +61,44 @@ class _Rank1Lora(torch.autograd.Function):
         return grad_x, None, None, grad_a, grad_b, None
 
 
+def _merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """W + s B A (a: [r, in], b: [out, r]) as a new tensor in W's dtype."""
+    if a.shape[0] == 1:  # an inner dimension of 1 is a slow GEMM; as an outer product it is one pass
+        return torch.addr(weight, b.view(-1), a.view(-1), alpha=scaling)
+    return torch.addmm(weight, b, a, alpha=scaling)
+
+
+class _MergedLora(torch.autograd.Function):
+    """y = x (W + s B A)^T + bias for a frozen W (a: [r, in], b: [out, r]); x is 2-D. Nothing of the merged
+    weight is kept for backward: it is merged again there (out x in x r, cheap next to the GEMMs)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, a, b, scaling: float):
+        y = torch.nn.functional.linear(x, _merge(weight, a, b, scaling), bias)
+        ctx.save_for_backward(x, weight, a, b)
+        ctx.scaling = scaling
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, a, b = ctx.saved_tensors
+        s = ctx.scaling
+        g = g.contiguous()
+        grad_x = g @ _merge(weight, a, b, s) if ctx.needs_input_grad[0] else None
+        grad_a = grad_b = None
+        if a.shape[0] == 1:  # matrix-vector products: no GEMM with an inner dimension of 1
+            if ctx.needs_input_grad[3]:
+                grad_a = torch.mv(x.t(), torch.mv(g, b.view(-1)) * s).view_as(a)
+            if ctx.needs_input_grad[4]:
+                grad_b = torch.mv(g.t(), torch.mv(x, a.view(-1)) * s).view_as(b)
+        else:
+            if ctx.needs_input_grad[3]:
+                grad_a = (g @ b * s).t() @ x
+            if ctx.needs_input_grad[4]:
+                grad_b = g.t() @ (x @ a.t() * s)
+        return grad_x, None, None, grad_a, grad_b, None
+
+
 class FusedLoraLinear(PeftLoraLinear):
     def _plain_adapter(self) -> str | None:
         if self.disable_adapters or self.merged or len(self.active_adapters) != 1:
@@ -64,11 +114,17 @@ class FusedLoraLinear(PeftLoraLinear):
         if name is None:
             return super().forward(x, *args, **kwargs)
         lora_a, lora_b = self.lora_A[name], self.lora_B[name]
-        if self._rank1_ok(lora_a.weight, lora_b.weight, x):
+        if self._own_product_ok(lora_a.weight, lora_b.weight, x):
             w = self.base_layer.weight
-            y = _Rank1Lora.apply(x.reshape(-1, x.shape[-1]), w, self.base_layer.bias, lora_a.weight.view(-1),
-                                 lora_b.weight.view(-1), float(self.scaling[name]))
-            return y.view(*x.shape[:-1], y.shape[-1])
+            x2 = x.reshape(-1, x.shape[-1])
+            if x2.shape[0] >= MERGE_MIN_ROWS_PER_INPUT * w.shape[1]:
+                y = _MergedLora.apply(x2, w, self.base_layer.bias, lora_a.weight, lora_b.weight,
+                                      float(self.scaling[name]))
+                return y.view(*x.shape[:-1], y.shape[-1])
+            if lora_a.weight.shape[0] == 1:
+                y = _Rank1Lora.apply(x2, w, self.base_layer.bias, lora_a.weight.view(-1), lora_b.weight.view(-1),
+                                     float(self.scaling[name]))
+                return y.view(*x.shape[:-1], y.shape[-1])
         result = self.base_layer(x)
         h = lora_a(x.to(lora_a.weight.dtype)) * self.scaling[name]
         if getattr(lora_b.weight, "ds_id", None) is not None:  # ZeRO-3: let the module call gather B
@@ -77,11 +133,11 @@ class FusedLoraLinear(PeftLoraLinear):
         out = torch.addmm(out, h.reshape(-1, h.shape[-1]).to(result.dtype), lora_b.weight.t().to(result.dtype))
         return out.view(result.shape)
 
-    def _rank1_ok(self, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> bool:
-        """The rank-1 function needs a plain frozen torch Linear (not ZeRO-3-partitioned: it reads the weight
-        directly), one dtype throughout and no autocast."""
+    def _own_product_ok(self, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> bool:
+        """The merged and rank-1 functions need a plain frozen torch Linear (not ZeRO-3-partitioned: they read
+        the weight directly), one dtype throughout and no autocast."""
         base = self.base_layer
-        return (a.shape[0] == 1 and type(base) is torch.nn.Linear and not base.weight.requires_grad
+        return (type(base) is torch.nn.Linear and not base.weight.requires_grad
                 and getattr(base.weight, "ds_id", None) is None and getattr(b, "ds_id", None) is None
                 and x.dtype == a.dtype == b.dtype == base.weight.dtype and not torch.is_autocast_enabled())
 
