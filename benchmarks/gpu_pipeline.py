@@ -35,9 +35,11 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -524,14 +526,17 @@ def _pipeline_mode(args, work: Path, model: Path, out: Path, gpus: int, mode: st
     cmd = [sys.executable, __file__, "_run", "--model", str(model), "--mode", mode, "--data", str(data),
            "--steps", str(steps), "--gpus", str(gpus), "--out", str(work / f"run-{key}.json"),
            *[a for kv in args.pipeline_set for a in ("--set", kv)]]
+    limit = _time_left(args)
+    if limit is not None:
+        cmd += ["--deadline-s", f"{max(limit - STOP_GRACE_S, 30.0):.0f}"]
     t0 = time.time()
     dmon = _dmon_start(out / f"gpu_pipeline_{key}_dmon.txt")
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
+    log = out / f"gpu_pipeline_{key}.log"
+    rc = run_logged(cmd, log, None if limit is None else limit)
     if dmon is not None:
         dmon.terminate()
-    (out / f"gpu_pipeline_{key}.log").write_text((proc.stdout + proc.stderr)[-200_000:])
-    if proc.returncode != 0 and not (work / f"run-{key}.json").exists():
-        res[f"{key}_error"] = proc.stderr[-2000:]
+    if not (work / f"run-{key}.json").exists():
+        res[f"{key}_error"] = f"exit {rc}: " + log.read_text(errors="replace")[-2000:]
         return
     runs[key] = json.loads((work / f"run-{key}.json").read_text())
     runs[key].update(wall_s=time.time() - t0, measured_at=_now(), sets=list(args.pipeline_set), gpu_mps=args.mps)
@@ -539,6 +544,51 @@ def _pipeline_mode(args, work: Path, model: Path, out: Path, gpus: int, mode: st
         if (work / f"run-{key}.{name}").exists():
             (out / f"gpu_pipeline_{key}.{name}").write_text((work / f"run-{key}.{name}").read_text())
     runs[key].update(_dmon_summary(out / f"gpu_pipeline_{key}_dmon.txt"))
+
+
+# A run stopped at its deadline ends its current step, checkpoints and shuts Ray down: this long.
+STOP_GRACE_S = 75.0
+
+
+def _time_left(args) -> float | None:
+    """Seconds left of --budget-s (None: no budget)."""
+    if not args.budget_s:
+        return None
+    return args.budget_s - (time.time() - args.started)
+
+
+def run_logged(cmd: list[str], log: Path, limit_s: float | None) -> int | None:
+    """Run `cmd` with its output going to `log` as it comes (a run killed later still leaves it); past
+    `limit_s` its process group is killed. The exit status, or None when it had to be killed."""
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            f.write(f"\n[gpu_pipeline] killed at its limit of {limit_s:.0f} s\n")
+            return None
+
+
+@contextlib.contextmanager
+def sigint_at(deadline_s: float | None, grace_s: float = 60.0):
+    """SIGINT to this process at `deadline_s` (the driver then stops after the current step and writes what
+    it has), and again `grace_s` later (stop at once); both timers cancelled on exit."""
+    if not deadline_s:
+        yield
+        return
+    timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in (deadline_s, deadline_s + grace_s)]
+    for t in timers:
+        t.daemon = True
+        t.start()
+    try:
+        yield
+    finally:
+        for t in timers:
+            t.cancel()
 
 
 def _dmon_start(path: Path):
@@ -593,7 +643,8 @@ def _write_prompts(path: Path, model: Path) -> None:
             f.write(json.dumps({"id": f"p{i}", "prompt": text, "answer": "a"}) + "\n")
 
 
-def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: str, extra: list[str]) -> None:
+def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: str, extra: list[str],
+                 deadline_s: float | None = None) -> None:
     import ray
 
     from app import driver
@@ -620,13 +671,15 @@ def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: s
     t0 = time.time()
     err = None
     try:
-        summary = driver.run(cfg, progress=True)
-    except Exception as e:
+        with sigint_at(deadline_s):  # the lease call's limit: keep the steps done so far
+            summary = driver.run(cfg, progress=True)
+    except (Exception, KeyboardInterrupt) as e:
         err, summary = f"{type(e).__name__}: {e}"[-2000:], {}
     rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
         if (cfg.run_dir / "metrics.jsonl").exists() else []
     rec = record(f"pipeline-{mode}", cfg, rows, summary, time.time() - t0, "")
     rec["error"] = err
+    rec["stopped_at_deadline"] = bool(deadline_s) and time.time() - t0 >= deadline_s
     Path(out).write_text(json.dumps(rec, default=float))
     # Beside the record: the run's rows and, with train.profile_step, the trainer's profile.
     for src, name in (("metrics.jsonl", "metrics.jsonl"), ("profile.txt", "profile.txt")):
@@ -640,11 +693,13 @@ def phase_rest(args, work: Path, model: Path, out: Path) -> dict:
     device = "gpu" if _gpus() else "cpu"
     cmd = [sys.executable, str(REPO / "benchmarks" / "rest_vs_vllm.py"), "--shape", args.shape, "--work", str(work),
            "--out", str(out)] + (["--smoke"] if os.environ.get("GPU_PIPELINE_SMOKE") == "1" else [])
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
-    print(proc.stdout[-3000:], flush=True)
+    log = out / f"rest_vs_vllm_{device}.log"
+    rc = run_logged(cmd, log, _time_left(args))
+    text = log.read_text(errors="replace")
+    print(text[-3000:], flush=True)
     f = out / f"rest_vs_vllm_{device}.json"
-    if proc.returncode != 0 or not f.exists():
-        return {"rest_error": (proc.stdout + proc.stderr)[-2000:]}
+    if rc != 0 or not f.exists():
+        return {"rest_error": f"exit {rc}: " + text[-2000:]}
     rest = json.loads(f.read_text())
     key = f"rest_vs_vllm_serve_{device}"
     return {"rest_vs_vllm_serve": rest[key], "rest_vs_vllm_serve_replica_port": rest[f"{key}_replica_port"],
@@ -662,9 +717,9 @@ def _gpus() -> int:
 # ----------------------------------------------------------------------------------------------- report
 
 def finish(doc: dict, gpus: int, out: Path) -> dict:
-    reasons = {"step_seconds_1gpu_p50": "no GPU here: the pipeline phase runs on a GPU machine",
-               "async_vs_sync_1gpu": "no GPU here: the pipeline phase runs on a GPU machine",
-               "publish_to_served_p50_s": "no GPU here: the pipeline phase runs on a GPU machine",
+    pipe = ("no GPU here: the pipeline phase runs on a GPU machine" if not gpus else
+            "the pipeline phase was not run, or its run ended before its steady steps (see runs, *_error)")
+    reasons = {"step_seconds_1gpu_p50": pipe, "async_vs_sync_1gpu": pipe, "publish_to_served_p50_s": pipe,
                "rest_vs_vllm_serve": "the rest phase was not run",
                "rest_vs_vllm_serve_replica_port": "the rest phase was not run"}
     doc.setdefault("not_measured", {})
@@ -722,13 +777,14 @@ def main(argv=None) -> int:
         p.add_argument("--gpus", type=int, default=1)
         p.add_argument("--out")
         p.add_argument("--set", action="append", default=[])
+        p.add_argument("--deadline-s", type=float, default=None)
         a = p.parse_args(argv)
         if a.what == "_peft":
             Path(a.out).write_text(json.dumps(peft_loop(a.model, a.steps, micro=16)))
         elif a.what == "_bare":
             bare_vllm(a.model, a.adapter, a.mem)
         else:
-            pipeline_run(a.model, a.mode, a.data, a.steps, a.gpus, a.out, a.set)
+            pipeline_run(a.model, a.mode, a.data, a.steps, a.gpus, a.out, a.set, a.deadline_s)
         return 0
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -747,7 +803,11 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny shape, short sequences")
     p.add_argument("--work", default=None, help="where models and runs go (default: a temp dir)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="end within this many seconds (a lease call's limit): a pipeline run is asked to stop "
+                        f"{STOP_GRACE_S:.0f} s before and keeps the steps it made; 0: no limit")
     args = p.parse_args(argv)
+    args.started = time.time()
 
     import torch
 

@@ -96,3 +96,58 @@ def test_rest_phase_records_both_ports(tmp_path):
     assert doc["rest_vs_vllm_serve_replica_port"] == rest["rest_vs_vllm_serve_cpu_replica_port"] > 0
     assert doc["goals"]["rest_vs_vllm_serve_replica_port"]["met"] == (doc["rest_vs_vllm_serve_replica_port"] >= 0.9)
     assert set(doc["measured_at"]) == {"rest"} and "rest_vs_vllm.py" in doc["rest"]["command"]
+
+
+def test_run_logged_keeps_the_output_of_a_child_killed_at_its_limit(tmp_path):
+    """A lease call has a hard limit: the child's output is in the log as it comes, and a child past its
+    limit is killed with its whole process group (here a grandchild that would outlive it)."""
+    import time
+
+    from benchmarks.gpu_pipeline import run_logged
+
+    log = tmp_path / "child.log"
+    pid_file = tmp_path / "grandchild.pid"
+    child = ("import subprocess, sys, time; print('step 1 done', flush=True); "
+             f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    t0 = time.monotonic()
+    assert run_logged([sys.executable, "-c", child], log, 3.0) is None
+    assert time.monotonic() - t0 < 20
+    text = log.read_text()
+    assert "step 1 done" in text and "killed at its limit of 3 s" in text
+    import os
+
+    gpid = int(pid_file.read_text())
+    for _ in range(50):  # the group got SIGKILL; the reaped grandchild disappears
+        try:
+            os.kill(gpid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the grandchild outlived the kill")
+    assert run_logged([sys.executable, "-c", "print('ok')"], tmp_path / "ok.log", 30.0) == 0
+
+
+def test_sigint_at_deadline_then_again_and_cancelled_on_exit():
+    """The pipeline child's deadline: SIGINT (the driver's stop-after-this-step), a second one after the
+    grace period (stop at once), and no signal at all once the block has ended."""
+    import signal
+    import time
+
+    from benchmarks.gpu_pipeline import sigint_at
+
+    got = []
+    old = signal.signal(signal.SIGINT, lambda *a: got.append(time.monotonic()))
+    try:
+        t0 = time.monotonic()
+        with sigint_at(0.2, grace_s=0.3):
+            while len(got) < 2 and time.monotonic() - t0 < 10:
+                time.sleep(0.02)
+        assert len(got) == 2 and 0.15 < got[0] - t0 < 2 and got[1] - got[0] > 0.25
+        with sigint_at(0.3, grace_s=0.3):
+            pass
+        time.sleep(0.8)
+        assert len(got) == 2  # the timers of a finished block were cancelled
+    finally:
+        signal.signal(signal.SIGINT, old)
