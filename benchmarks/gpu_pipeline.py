@@ -699,7 +699,13 @@ def phase_rest(args, work: Path, model: Path, out: Path) -> dict:
     print(text[-3000:], flush=True)
     f = out / f"rest_vs_vllm_{device}.json"
     if rc != 0 or not f.exists():
-        return {"rest_error": f"exit {rc}: " + text[-2000:]}
+        res = {"rest_error": f"exit {rc}: " + text[-2000:]}
+        partial = out / f"rest_vs_vllm_{device}_partial.json"  # the passes it finished, and its last stage
+        if partial.exists():
+            p = json.loads(partial.read_text())
+            res["rest_partial"] = {"file": partial.name, "passes_done": p.get("passes_done"),
+                                   "passes": p.get("passes"), "reason": p.get("partial_reason")}
+        return res
     rest = json.loads(f.read_text())
     key = f"rest_vs_vllm_serve_{device}"
     return {"rest_vs_vllm_serve": rest[key], "rest_vs_vllm_serve_replica_port": rest[f"{key}_replica_port"],

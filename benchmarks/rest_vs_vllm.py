@@ -17,7 +17,13 @@ the same); the first round is a warm-up. A ratio is the median over rounds of RE
 within the round. Each pass also records the CPU seconds every process of each side used, per request.
 
     python benchmarks/rest_vs_vllm.py [--smoke] [--rounds N] [--requests N] [--out DIR] [--work DIR]
+                                      [--start-order together|after-kv|serial]
     python -m app bench rest_vs_vllm
+
+Both servers start at once (--start-order: on a GPU our app is deployed once vLLM's engine has sized its KV
+cache, see START_ORDERS); stages and passes are logged with their time as they happen, and
+OUT/rest_vs_vllm_{cpu|gpu}_partial.json is rewritten at each stage and after each pass (the passes done, the
+stages, why it is partial), so a run killed by a time limit leaves what it measured; a finished run removes it.
 
 Writes OUT/rest_vs_vllm_{cpu|gpu}.json (`rest_vs_vllm_serve_{cpu|gpu}`: the lower of the completions and
 chat ratios through the Serve port; `..._replica_port`: the same through the replica's own port) and a PNG
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import platform
@@ -37,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -106,10 +114,29 @@ def engine_flags(kwargs: dict) -> list[str]:
     return out
 
 
-class VllmServer:
-    """`python -m vllm.entrypoints.openai.api_server` in its own process group (stopped as a group)."""
+# vLLM's EngineCore logs this just before it allocates its KV cache ("GPU KV cache size: N tokens", from vLLM
+# 0.8 on): past it, that server's memory profiling is done.
+KV_LINE = b"KV cache size:"
 
-    def __init__(self, cfg, adapter: Path, log_path: Path):
+
+# Resolved here, before any fork: the child only calls it.
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def _die_with_parent():
+    """preexec_fn: the server gets SIGTERM when this process dies, even by SIGKILL (a lease or a pipeline's
+    limit kills this process's group, and the server has its own session): Linux's PR_SET_PDEATHSIG."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+class VllmServer:
+    """`python -m vllm.entrypoints.openai.api_server` in its own process group (stopped as a group), started
+    at once; a thread watches its log and /health, so our service starts while this one does
+    (`wait_kv`, `wait_ready`). `kv_s` / `ready_s`: seconds from launch to its KV cache / its /health 200."""
+
+    def __init__(self, cfg, adapter: Path, log_path: Path, on_event=None, timeout_s: float = 900,
+                 log_kv: bool = False):
         from serve_deployments.engine_config import engine_env, engine_kwargs
 
         self.port = free_port()
@@ -117,27 +144,83 @@ class VllmServer:
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", kw["model"],
                     *engine_flags(kw), "--lora-modules", f"{WORKLOAD['model_name']}={adapter}",
                     "--host", "127.0.0.1", "--port", str(self.port)]
-        self.env = engine_env(cfg)
-        env = dict(os.environ, **self.env, PYTHONPATH=os.pathsep.join(filter(None, [
+        self.env = engine_env(cfg)  # the replica's engine gets the same
+        # `log_kv`: its engine's INFO lines (at startup; with disable_log_stats none while serving), for KV_LINE.
+        self.env_extra = ({"VLLM_LOGGING_LEVEL": "INFO"} if log_kv and self.env.get("VLLM_LOGGING_LEVEL", "INFO")
+                          not in ("INFO", "DEBUG") else {})
+        env = dict(os.environ, **{**self.env, **self.env_extra}, PYTHONPATH=os.pathsep.join(filter(None, [
             str(REPO), os.environ.get("PYTHONPATH")])), PYTHONUNBUFFERED="1")
         self.log_path = log_path
-        self._log = open(log_path, "w")  # closed in close()
-        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self._start(env, on_event, timeout_s)
 
-    def wait_ready(self, timeout_s: float = 900) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); log {self.log_path}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            time.sleep(1)
-        raise TimeoutError(f"vLLM server not ready after {timeout_s:.0f}s; log {self.log_path}")
+    def _start(self, env: dict, on_event, timeout_s: float) -> None:
+        """Launch self.cmd (output to self.log_path) and the thread that watches it and self.port's /health."""
+        self._log = open(self.log_path, "w")  # closed in close()
+        self.on_event = on_event or log
+        self.kv_s = self.ready_s = self.error = None
+        self._kv, self._done, self._closing = threading.Event(), threading.Event(), False
+        self.launched = time.time()
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        self._watch = threading.Thread(target=self._watch_loop, args=(timeout_s,), name="vllm-server-watch",
+                                       daemon=True)
+        self._watch.start()
+
+    def _watch_loop(self, timeout_s: float) -> None:
+        deadline, pos, tail = time.monotonic() + timeout_s, 0, b""
+        try:
+            while not self._closing:
+                if self.kv_s is None:
+                    with open(self.log_path, "rb") as f:
+                        f.seek(pos)
+                        chunk = f.read()
+                    pos += len(chunk)
+                    if KV_LINE in tail + chunk:
+                        self.kv_s = time.time() - self.launched
+                        self.on_event(f"vLLM api_server: its engine allocates its KV cache ({self.kv_s:.0f}s "
+                                      "after launch)")
+                        self._kv.set()
+                    tail = chunk[-len(KV_LINE):] if chunk else tail
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); log {self.log_path}")
+                with contextlib.suppress(OSError):
+                    with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                        if r.status == 200:
+                            self.ready_s = time.time() - self.launched
+                            self.on_event(f"vLLM api_server ready on :{self.port} ({self.ready_s:.0f}s after "
+                                          "launch)")
+                            return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"vLLM server not ready after {timeout_s:.0f}s; log {self.log_path}")
+                time.sleep(1)
+        except Exception as e:
+            self.error = e
+            self.on_event(f"vLLM api_server failed: {e}")
+        finally:
+            self._kv.set()
+            self._done.set()
+
+    def _wait(self, event: threading.Event) -> None:
+        while not event.wait(1):  # in slices: a signal's handler runs between them
+            pass
+        if self.error is not None:
+            raise self.error
+
+    def wait_kv(self) -> None:
+        """Until its engine has profiled its memory and allocates its KV cache (or it is ready, or failed)."""
+        self._wait(self._kv)
+
+    def wait_ready(self) -> None:
+        """Until /health answers 200; raises when the server exited or did not get there in time."""
+        self._wait(self._done)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-chars:]
+        return ""
 
     def close(self) -> None:
+        self._closing = True
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -147,12 +230,14 @@ class VllmServer:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        self._watch.join(timeout=10)
         self._log.close()
 
 
-def start_rest(cfg, payload) -> int:
-    """Our service on cfg.rollout.http_port, policy-v1 published before the app starts; waits until healthy.
-    Returns the replica's own REST port."""
+def start_rest(cfg, payload, before_deploy=None, progress=log) -> int:
+    """Our service on cfg.rollout.http_port, policy-v1 published before the app starts; waits until healthy
+    (its reason to `progress` every ~30 s while not). `before_deploy()`, when given, runs after Ray is up and
+    before the app (and so its engine) starts. Returns the replica's own REST port."""
     import ray
 
     from common.registry import get_or_create_registry
@@ -163,10 +248,56 @@ def start_rest(cfg, payload) -> int:
                                        "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     cfg.rollout.http_port = free_port()  # picked after Ray's own agents bound theirs
     cfg.rollout.replica_http_port = 0
-    handle, version = start_with_adapter(cfg, get_or_create_registry(), payload)
+    registry = get_or_create_registry()
+    if before_deploy is not None:
+        before_deploy()
+    progress("our service: deploying (proxy, Ingress, one RolloutReplica; policy-v1 published first)")
+    handle, version = start_with_adapter(cfg, registry, payload)
     assert version == 1, version
-    wait_healthy(handle)
+    progress("our service: deployed; waiting for its health (every replica up, holding policy-v1)")
+    wait_healthy(handle, log=progress)
     return int(handle.stats.remote().result()["replicas"][0]["http_url"].rsplit(":", 1)[1].split("/")[0])
+
+
+def _jsonable(x):
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return str(x)
+
+
+class Progress:
+    """Stage lines (timestamped, flushed, kept) and OUT/rest_vs_vllm_{device}_partial.json, rewritten at each
+    stage and after each pass, so a run killed at any point leaves the passes it finished and where it
+    stopped. A run that finishes removes it (its final document has everything)."""
+
+    def __init__(self, path: Path, base: dict, passes: int):
+        self.path, self.base, self.passes = path, base, passes
+        self.rounds, self.starts, self.stages = [], {}, []
+        self.t0 = time.time()
+        self._lock = threading.RLock()
+
+    def passes_done(self) -> int:
+        return sum(len(row.get(ep, {})) for row in self.rounds for ep in ENDPOINTS)
+
+    def stage(self, msg: str) -> None:
+        log(msg)
+        with self._lock:
+            self.stages.append({"at": time.strftime("%H:%M:%S"), "s": round(time.time() - self.t0, 1), "what": msg})
+            self.write(f"running, {self.passes_done()} of {self.passes} passes done; last stage: {msg}")
+
+    def write(self, reason: str, **extra) -> None:
+        with self._lock:
+            doc = {"partial": True, "partial_reason": reason,
+                   "partial_is": "rewritten at each stage and after each pass; a run that finishes removes it, so "
+                                 "one left behind was stopped (killed, or failed as partial_reason says) after its "
+                                 "last stage",
+                   "passes_done": self.passes_done(), "passes": self.passes, **self.base,
+                   "server_start_s": self.starts, "stages": self.stages, "rounds": self.rounds,
+                   "wall_s": time.time() - self.t0, "updated_at": time.strftime("%Y-%m-%d %H:%M:%S"), **extra}
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps(doc, indent=2, default=_jsonable))
+            os.replace(tmp, self.path)  # whole: a kill mid-write leaves the previous one
 
 
 def client_argv(endpoint: str, port: int, model: Path, requests: int, seed: int) -> list[str]:
@@ -322,6 +453,18 @@ def plot(doc: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+START_ORDERS = {
+    "together": "both launched at once",
+    "after-kv": "vLLM's server launched, Ray started, our app deployed once that server's engine allocates its "
+                "KV cache: vLLM sizes its KV cache from the GPU's free memory, so two engines profiling at once "
+                "would count each other's memory",
+    "serial": "vLLM's server ready first, then our service"}
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # the `finally`s run: partial document, servers stopped
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -331,6 +474,9 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default=None, help="model shape (default tiny on CPU, qwen2.5-1.5b on a GPU)")
     p.add_argument("--work", default=None, help="model, adapter and logs (default: a temp dir)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--start-order", choices=list(START_ORDERS), default=None,
+                   help="how the two servers start: " + "; ".join(f"{k}: {v}" for k, v in START_ORDERS.items())
+                   + " (default after-kv on a GPU, together on CPU)")
     args = p.parse_args(argv)
     w = WORKLOAD
     if args.smoke:
@@ -352,39 +498,78 @@ def main(argv=None) -> int:
     tensors, meta = make_lora_payload(model, seed=1, rank=w["lora_rank"])
     adapter = write_peft_dir(tensors, meta["peft_config"], work / "adapter")
     cfg = service_config(model, gpus)
-    log(f"model {shape} and a random rank-{w['lora_rank']} adapter in {work}; starting vLLM's api_server ...")
-    t0 = time.time()
-    server = VllmServer(cfg, adapter, work / "vllm_server.log")
-    starts = {}
+    start_order = args.start_order or ("after-kv" if gpus else "together")
+    passes = w["rounds"] * len(ENDPOINTS) * len(SIDES)
+    progress = Progress(out / f"rest_vs_vllm_{device}_partial.json", {
+        "command": "python benchmarks/rest_vs_vllm.py " + " ".join(argv), "workload": {**w, "shape": shape},
+        "code": code, "work_dir": str(work), "load_avg_1_5_15_min_at_start": load_at_start},
+        passes)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    progress.stage(f"model {shape} and a random rank-{w['lora_rank']} adapter in {work}; starting vLLM's "
+                   f"api_server and our service (--start-order {start_order}) ...")
+    starts = progress.starts
+    starts["start_order"] = start_order
+    rounds = progress.rounds
+    server = None
     try:
-        server.wait_ready()
-        starts["vllm_s"] = time.time() - t0
-        log(f"vLLM api_server on :{server.port} ({starts['vllm_s']:.0f}s); starting our service ...")
+        server = VllmServer(cfg, adapter, work / "vllm_server.log", on_event=progress.stage,
+                            log_kv=start_order == "after-kv")
+        progress.base.update(vllm_server_cmd=server.cmd, vllm_server_env_extra=server.env_extra,
+                             vllm_server_log=str(server.log_path))
+        progress.stage(f"vLLM api_server launched (pid {server.proc.pid}, :{server.port}); starting our service: "
+                       "Ray ...")
         t0 = time.time()
-        direct_port = start_rest(cfg, (tensors, meta))
+        gate = {"together": None, "after-kv": server.wait_kv, "serial": server.wait_ready}[start_order]
+
+        def before_deploy():
+            if gate is not None:
+                t = time.time()
+                progress.stage("our service: Ray up; waiting for vLLM's api_server "
+                               + ("to allocate its KV cache" if gate == server.wait_kv else "to be ready"))
+                gate()
+                starts["rest_waited_for_vllm_s"] = time.time() - t
+
+        def rest_progress(msg: str):
+            progress.stage(msg)
+            if server.error is not None:  # no use waiting on ours (wait_healthy says why every ~30 s)
+                raise server.error
+
+        direct_port = start_rest(cfg, (tensors, meta), before_deploy=before_deploy, progress=rest_progress)
         starts["rest_s"] = time.time() - t0
         ports = {"rest": cfg.rollout.http_port, "direct": direct_port, "vllm": server.port}
-        log(f"REST service on :{ports['rest']} ({starts['rest_s']:.0f}s); {w['rounds']} rounds x "
-            f"{len(ENDPOINTS)} endpoints x {len(SIDES)} sides, {w['requests']} requests each")
-        rounds = []
+        progress.stage(f"REST service healthy on :{ports['rest']} ({starts['rest_s']:.0f}s after launch); "
+                       f"replica port :{direct_port}" + ("" if server.ready_s else "; waiting for vLLM's api_server"))
+        server.wait_ready()
+        starts["vllm_s"] = server.ready_s
+        starts["both_ready_s"] = time.time() - t0
+        progress.stage(f"both ready ({starts['both_ready_s']:.0f}s: vLLM {starts['vllm_s']:.0f}s, REST "
+                       f"{starts['rest_s']:.0f}s); {w['rounds']} rounds x {len(ENDPOINTS)} endpoints x "
+                       f"{len(SIDES)} sides, {w['requests']} requests each")
         with open(work / "client.log", "w") as client_log:
             for r in range(w["rounds"]):
                 order = SIDES if r % 2 == 0 else SIDES[::-1]
                 row = {"order": list(order)}
+                rounds.append(row)  # filled pass by pass: the partial document has the passes done so far
                 for ep in ENDPOINTS:
                     row[ep] = {}
                     for side in order:
+                        what = f"round {r + 1}/{w['rounds']}{' (warm-up)' if r == 0 else ''} {ep:<11} {side:<6}"
+                        progress.stage(f"{what}: pass {progress.passes_done() + 1}/{passes} ...")
                         res = one_pass(side, ep, ports, server, model, w["requests"], seed=r, log_file=client_log)
                         row[ep][side] = res
-                        log(f"round {r + 1}/{w['rounds']}{' (warm-up)' if r == 0 else ''} {ep:<11} {side:<6}: "
-                            f"{res['output_tok_s'] or 0:6.0f} tok/s, TTFT p50 {res['ttft_p50_ms'] or 0:5.0f} ms, "
-                            f"{res['completed']}/{w['requests']} ok")
-                rounds.append(row)
+                        progress.stage(f"{what}: {res['output_tok_s'] or 0:6.0f} tok/s, TTFT p50 "
+                                       f"{res['ttft_p50_ms'] or 0:5.0f} ms, {res['completed']}/{w['requests']} ok")
+        progress.write(f"all {passes} passes done; stopping the servers, then the final document")
+    except BaseException as e:  # a signal's SystemExit and Ctrl-C too: the partial document says why it stopped
+        progress.write(f"stopped after {progress.passes_done()} of {passes} passes: {type(e).__name__}: {e}",
+                       vllm_server_log_tail=server.log_tail() if server else "")
+        raise
     finally:
         import ray
         from ray import serve
 
-        server.close()
+        if server is not None:
+            server.close()
         if ray.is_initialized():
             with contextlib.suppress(Exception):
                 serve.shutdown()
@@ -412,6 +597,7 @@ def main(argv=None) -> int:
         "command": "python benchmarks/rest_vs_vllm.py " + " ".join(argv),
         "workload": {**w, "shape": shape},
         "settings": {"engine_kwargs": engine_kwargs(cfg), "engine_env": server.env, "vllm_server_cmd": server.cmd,
+                     **({"vllm_server_env_extra": server.env_extra} if server.env_extra else {}),
                      "client": "vllm bench serve " + " ".join(client_argv("completions", 0, model, w["requests"], 0)),
                      "rest": {"replicas": 1, "router_policy": cfg.router.policy,
                               "auth": "none: a standalone service's REST reads need no token (only /admin does)",
@@ -422,6 +608,7 @@ def main(argv=None) -> int:
     }
     f = out / f"rest_vs_vllm_{device}.json"
     f.write_text(json.dumps(doc, indent=2, default=float))
+    progress.path.unlink(missing_ok=True)  # the final document has it all
     try:
         plot(doc, f.with_suffix(".png"))
     except Exception as e:  # a missing matplotlib must not lose the numbers

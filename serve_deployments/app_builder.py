@@ -123,16 +123,36 @@ def start_with_adapter(cfg: Config, registry, payload: tuple[dict, dict] | None 
     return start_service(cfg, registry=registry), version
 
 
-def wait_healthy(handle, timeout_s: float = 300.0) -> dict:
-    """Block until every replica is ready and holds every live version."""
-    deadline = time.monotonic() + timeout_s
+def wait_healthy(handle, timeout_s: float = 300.0, *, interval_s: float = 0.5, progress_s: float = 30.0,
+                 log=None) -> dict:
+    """Block until every replica is ready and holds every live version. While not ready, a line about
+    every `progress_s` seconds names the elapsed time and the health body's reason (to `log`; print,
+    flushed, by default); the TimeoutError names the last reason too."""
+    def why(body) -> str:
+        if not isinstance(body, dict):
+            return repr(body)
+        extra = []
+        if "replicas_ready" in body:
+            extra.append(f"replicas_ready {body['replicas_ready']}" + (f"/{body['replicas']}" if "replicas" in body
+                                                                        else ""))
+        if body.get("missing_versions"):
+            extra.append(f"missing_versions {body['missing_versions']}")
+        return str(body.get("reason", body)) + (f" ({', '.join(extra)})" if extra else "")
+
+    emit = log or (lambda msg: print(msg, flush=True))
+    start = time.monotonic()
+    deadline, next_log = start + timeout_s, start + progress_s
     while True:
         ready, body = handle.health.remote().result()
         if ready:
             return body
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"service not healthy after {timeout_s:.0f}s: {body}")
-        time.sleep(0.5)
+        now = time.monotonic()
+        if now > deadline:
+            raise TimeoutError(f"service not healthy after {timeout_s:.0f}s: {why(body)}; {body}")
+        if now >= next_log:
+            emit(f"service not ready after {now - start:.0f} s: {why(body)}")
+            next_log = now + progress_s
+        time.sleep(interval_s)
 
 
 def _adapter_rank_sets(rank: int, sets: list[str]) -> list[str]:

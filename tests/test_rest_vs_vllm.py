@@ -4,11 +4,16 @@ adapter, each loaded in turn by vLLM's serving benchmark client, completions and
 test (a few minutes: two engines start): the script runs as a subprocess that starts and stops its own Ray
 and vLLM server."""
 import json
+import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
+
+from benchmarks import rest_vs_vllm as rv
+from benchmarks._common import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = ("output_tok_s", "request_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
@@ -21,7 +26,14 @@ def test_smoke_measures_both_servers(tmp_path):
                            "--work", str(work)], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "round 2/2" in proc.stdout and "rest_vs_vllm_serve_cpu" in proc.stdout  # progress lines, then the table
+    for stage in ("vLLM api_server launched", "vLLM api_server ready", "our service: deploying",
+                  "REST service healthy", "both ready", "pass 12/12"):
+        assert stage in proc.stdout, stage
+    assert not (out / "rest_vs_vllm_cpu_partial.json").exists()  # rewritten during the run, removed at its end
     doc = json.loads((out / "rest_vs_vllm_cpu.json").read_text())
+    starts = doc["settings"]["server_start_s"]
+    assert starts["start_order"] == "together"  # the CPU default: both servers start at once
+    assert 0 < starts["vllm_s"] <= starts["both_ready_s"] and 0 < starts["rest_s"] <= starts["both_ready_s"]
     w = doc["workload"]
     assert (w["input_len"], w["output_len"], w["concurrency"], w["rounds"]) == (48, 32, 16, 2)
     assert len(doc["rounds"]) == 2 and doc["rounds"][0]["order"] == ["rest", "direct", "vllm"]
@@ -53,3 +65,73 @@ def test_smoke_measures_both_servers(tmp_path):
     assert doc["machine"]["cpus"] >= 1 and doc["command"].startswith("python benchmarks/rest_vs_vllm.py")
     assert (out / "rest_vs_vllm_cpu.png").stat().st_size > 0
     assert "Application startup complete" in (work / "vllm_server.log").read_text()
+
+
+def _fake_server(tmp_path, script: str, events: list) -> "rv.VllmServer":
+    """A VllmServer whose command is `script` (a stand-in for vLLM's api_server: no engine, no Ray)."""
+    srv = object.__new__(rv.VllmServer)
+    srv.port, srv.log_path = free_port(), tmp_path / "server.log"
+    srv.cmd = [sys.executable, "-c", textwrap.dedent(script).replace("PORT", str(srv.port))]
+    srv._start(dict(os.environ), events.append, timeout_s=60)
+    return srv
+
+
+def test_server_watch_sees_its_kv_cache_then_ready(tmp_path):
+    events = []
+    srv = _fake_server(tmp_path, """
+        import http.server, time
+        print("loading weights", flush=True)
+        time.sleep(1.5)
+        print("(EngineCore pid=1) INFO [kv_cache_utils.py:2327] GPU KV cache size: 1,000 tokens", flush=True)
+        time.sleep(1.5)
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.end_headers()
+        http.server.HTTPServer(("127.0.0.1", PORT), H).serve_forever()
+        """, events)
+    try:
+        srv.wait_kv()
+        assert srv.kv_s is not None and srv.kv_s >= 1
+        srv.wait_ready()
+        assert srv.ready_s > srv.kv_s
+        assert [e.split(" (")[0] for e in events] == ["vLLM api_server: its engine allocates its KV cache",
+                                                      f"vLLM api_server ready on :{srv.port}"], events
+    finally:
+        srv.close()
+    assert srv.proc.returncode is not None
+
+
+def test_server_exit_ends_both_waits(tmp_path):
+    events = []
+    srv = _fake_server(tmp_path, "import sys; print('boom', flush=True); sys.exit(3)", events)
+    try:
+        with pytest.raises(RuntimeError, match=r"exited \(3\)"):
+            srv.wait_kv()  # a server that dies before its KV cache does not keep our service waiting
+        with pytest.raises(RuntimeError):
+            srv.wait_ready()
+        assert "boom" in srv.log_tail() and events[-1].startswith("vLLM api_server failed")
+    finally:
+        srv.close()
+
+
+def test_partial_document_has_the_passes_done_and_why(tmp_path, capsys):
+    path = tmp_path / "rest_vs_vllm_cpu_partial.json"
+    progress = rv.Progress(path, {"command": "python benchmarks/rest_vs_vllm.py --smoke"}, passes=12)
+    progress.stage("starting")
+    doc = json.loads(path.read_text())
+    assert doc["partial"] and doc["passes_done"] == 0 and doc["passes"] == 12 and doc["rounds"] == []
+    assert doc["partial_reason"] == "running, 0 of 12 passes done; last stage: starting"
+    assert doc["command"].endswith("--smoke") and doc["stages"][0]["what"] == "starting"
+    assert "starting" in capsys.readouterr().out  # and printed, with its time
+    progress.starts["vllm_s"] = 30.0
+    row = {"order": ["rest", "direct", "vllm"], "completions": {"rest": {"output_tok_s": 600.0}}}
+    progress.rounds.append(row)
+    progress.stage("round 1/2 (warm-up) completions rest  : 600 tok/s")
+    doc = json.loads(path.read_text())
+    assert doc["passes_done"] == 1 and doc["rounds"] == [row] and doc["server_start_s"] == {"vllm_s": 30.0}
+    assert doc["partial_reason"].startswith("running, 1 of 12 passes done")
+    progress.write("stopped after 1 of 12 passes: SystemExit: 143", vllm_server_log_tail="...")
+    doc = json.loads(path.read_text())
+    assert doc["partial_reason"].endswith("SystemExit: 143") and doc["vllm_server_log_tail"] == "..."
+    assert len(doc["stages"]) == 2 and not list(tmp_path.glob("*.tmp"))
