@@ -723,16 +723,20 @@ def _gpus() -> int:
 # ----------------------------------------------------------------------------------------------- report
 
 def finish(doc: dict, gpus: int, out: Path) -> dict:
-    pipe = ("no GPU here: the pipeline phase runs on a GPU machine" if not gpus else
-            "the pipeline phase was not run, or its run ended before its steady steps (see runs, *_error)")
+    no_gpu = "no GPU here: the pipeline phase runs on a GPU machine"
+    pipe = no_gpu if not gpus else \
+        "the pipeline phase was not run, or its run ended before its steady steps (see runs, *_error)"
+    other = "phase failed or not run; see the phase's error key"
     reasons = {"step_seconds_1gpu_p50": pipe, "async_vs_sync_1gpu": pipe, "publish_to_served_p50_s": pipe,
                "rest_vs_vllm_serve": "the rest phase was not run",
                "rest_vs_vllm_serve_replica_port": "the rest phase was not run"}
+    generic = {no_gpu, pipe, other, *reasons.values()}  # a reason written by hand into the JSON stays
     doc.setdefault("not_measured", {})
     for k in GOALS:
         if doc.get(k) is None:
             doc[k] = None
-            doc["not_measured"].setdefault(k, reasons.get(k, "phase failed or not run; see the phase's error key"))
+            if doc["not_measured"].get(k) in (None, *generic):  # an earlier invocation's may be out of date
+                doc["not_measured"][k] = reasons.get(k, other)
         else:
             doc["not_measured"].pop(k, None)
     doc["goals"] = {k: {"goal": f"{op} {v}", "measured": doc.get(k),

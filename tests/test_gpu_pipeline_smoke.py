@@ -151,3 +151,18 @@ def test_sigint_at_deadline_then_again_and_cancelled_on_exit():
         assert len(got) == 2  # the timers of a finished block were cancelled
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def test_unmeasured_reasons_follow_the_machine_and_keep_hand_written_ones(tmp_path):
+    """Results merge across invocations: a generic reason left by an earlier one (on CPU: "no GPU here") is
+    replaced by this machine's, a reason written by hand stays, and a measured key loses its reason."""
+    from benchmarks.gpu_pipeline import finish
+
+    doc = {"not_measured": {"step_seconds_1gpu_p50": "no GPU here: the pipeline phase runs on a GPU machine",
+                            "trainer_vs_peft": "not run this sitting (device time)"},
+           "lora_vs_base_decode": 0.91}
+    doc["not_measured"]["lora_vs_base_decode"] = "phase failed or not run; see the phase's error key"
+    out = finish(doc, 1, tmp_path)["not_measured"]
+    assert out["step_seconds_1gpu_p50"].startswith("the pipeline phase was not run")
+    assert out["trainer_vs_peft"] == "not run this sitting (device time)"
+    assert "lora_vs_base_decode" not in out
