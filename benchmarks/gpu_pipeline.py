@@ -532,7 +532,7 @@ def _pipeline_mode(args, work: Path, model: Path, out: Path, gpus: int, mode: st
     t0 = time.time()
     dmon = _dmon_start(out / f"gpu_pipeline_{key}_dmon.txt")
     log = out / f"gpu_pipeline_{key}.log"
-    rc = run_logged(cmd, log, None if limit is None else limit)
+    rc = run_logged(cmd, log, limit)
     if dmon is not None:
         dmon.terminate()
     if not (work / f"run-{key}.json").exists():
@@ -576,16 +576,23 @@ def run_logged(cmd: list[str], log: Path, limit_s: float | None) -> int | None:
 @contextlib.contextmanager
 def sigint_at(deadline_s: float | None, grace_s: float = 60.0):
     """SIGINT to this process at `deadline_s` (the driver then stops after the current step and writes what
-    it has), and again `grace_s` later (stop at once); both timers cancelled on exit."""
+    it has), and again `grace_s` later (stop at once); both timers cancelled on exit. Yields a list that
+    gets one entry per signal sent."""
+    fired: list[float] = []
     if not deadline_s:
-        yield
+        yield fired
         return
-    timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in (deadline_s, deadline_s + grace_s)]
+
+    def interrupt():
+        fired.append(time.time())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timers = [threading.Timer(t, interrupt) for t in (deadline_s, deadline_s + grace_s)]
     for t in timers:
         t.daemon = True
         t.start()
     try:
-        yield
+        yield fired
     finally:
         for t in timers:
             t.cancel()
@@ -669,9 +676,9 @@ def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: s
     ray.init(address="local", num_gpus=gpus, include_dashboard=False, runtime_env={"env_vars": {
         "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": _env()["PYTHONPATH"]}})
     t0 = time.time()
-    err = None
+    err, fired = None, []
     try:
-        with sigint_at(deadline_s):  # the lease call's limit: keep the steps done so far
+        with sigint_at(deadline_s) as fired:  # the lease call's limit: keep the steps done so far
             summary = driver.run(cfg, progress=True)
     except (Exception, KeyboardInterrupt) as e:
         err, summary = f"{type(e).__name__}: {e}"[-2000:], {}
@@ -679,7 +686,7 @@ def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: s
         if (cfg.run_dir / "metrics.jsonl").exists() else []
     rec = record(f"pipeline-{mode}", cfg, rows, summary, time.time() - t0, "")
     rec["error"] = err
-    rec["stopped_at_deadline"] = bool(deadline_s) and time.time() - t0 >= deadline_s
+    rec["stopped_at_deadline"] = bool(fired)
     Path(out).write_text(json.dumps(rec, default=float))
     # Beside the record: the run's rows and, with train.profile_step, the trainer's profile.
     for src, name in (("metrics.jsonl", "metrics.jsonl"), ("profile.txt", "profile.txt")):

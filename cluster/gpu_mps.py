@@ -55,8 +55,7 @@ def mps_daemon(root: Path, probe: list[str] | None = None) -> Iterator[dict]:
         except subprocess.TimeoutExpired:
             bad = "no answer in 180 s"
         if bad:
-            subprocess.run([exe], input="quit\n", env={**os.environ, **env}, capture_output=True, text=True,
-                           timeout=60)
+            _quit(exe, env)
             raise MpsError(f"the MPS daemon started but its first client failed ({bad}); log: {log}")
     saved = {k: os.environ.get(k) for k in ENV_KEYS}
     os.environ.update(env)
@@ -68,4 +67,8 @@ def mps_daemon(root: Path, probe: list[str] | None = None) -> Iterator[dict]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        subprocess.run([exe], input="quit\n", env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+        _quit(exe, env)
+
+
+def _quit(exe: str, env: dict) -> None:
+    subprocess.run([exe], input="quit\n", env={**os.environ, **env}, capture_output=True, text=True, timeout=60)

@@ -141,14 +141,14 @@ def test_sigint_at_deadline_then_again_and_cancelled_on_exit():
     old = signal.signal(signal.SIGINT, lambda *a: got.append(time.monotonic()))
     try:
         t0 = time.monotonic()
-        with sigint_at(0.2, grace_s=0.3):
+        with sigint_at(0.2, grace_s=0.3) as fired:
             while len(got) < 2 and time.monotonic() - t0 < 10:
                 time.sleep(0.02)
-        assert len(got) == 2 and 0.15 < got[0] - t0 < 2 and got[1] - got[0] > 0.25
-        with sigint_at(0.3, grace_s=0.3):
+        assert len(got) == 2 and len(fired) == 2 and 0.15 < got[0] - t0 < 2 and got[1] - got[0] > 0.25
+        with sigint_at(0.3, grace_s=0.3) as fired:
             pass
         time.sleep(0.8)
-        assert len(got) == 2  # the timers of a finished block were cancelled
+        assert len(got) == 2 and not fired  # the timers of a finished block were cancelled
     finally:
         signal.signal(signal.SIGINT, old)
 

@@ -115,15 +115,14 @@ class FusedLoraLinear(PeftLoraLinear):
             return super().forward(x, *args, **kwargs)
         lora_a, lora_b = self.lora_A[name], self.lora_B[name]
         if self._own_product_ok(lora_a.weight, lora_b.weight, x):
-            w = self.base_layer.weight
+            w, bias, s = self.base_layer.weight, self.base_layer.bias, float(self.scaling[name])
             x2 = x.reshape(-1, x.shape[-1])
+            y = None
             if x2.shape[0] >= MERGE_MIN_ROWS_PER_INPUT * w.shape[1]:
-                y = _MergedLora.apply(x2, w, self.base_layer.bias, lora_a.weight, lora_b.weight,
-                                      float(self.scaling[name]))
-                return y.view(*x.shape[:-1], y.shape[-1])
-            if lora_a.weight.shape[0] == 1:
-                y = _Rank1Lora.apply(x2, w, self.base_layer.bias, lora_a.weight.view(-1), lora_b.weight.view(-1),
-                                     float(self.scaling[name]))
+                y = _MergedLora.apply(x2, w, bias, lora_a.weight, lora_b.weight, s)
+            elif lora_a.weight.shape[0] == 1:
+                y = _Rank1Lora.apply(x2, w, bias, lora_a.weight.view(-1), lora_b.weight.view(-1), s)
+            if y is not None:
                 return y.view(*x.shape[:-1], y.shape[-1])
         result = self.base_layer(x)
         h = lora_a(x.to(lora_a.weight.dtype)) * self.scaling[name]
