@@ -2,16 +2,21 @@
 
 The GRPO loss needs, per completion token, log p(target) with its gradient and the entropy as a metric.
 Over a 151,936-token vocabulary the float32 logits of one step dwarf everything else, so they are never
-kept: the forward makes them one chunk at a time and keeps only `logz` per token; the backward makes
-each chunk's logits again and turns them into the gradient in place:
+kept: the forward makes them one chunk at a time and keeps only per-token results.
 
-    d logp(y) / d logits = onehot(y) - softmax(logits)     (times the incoming grad, over temperature)
+Gradient in the forward (the fused-linear-cross-entropy trick of Liger's FLCE): the head is frozen, so
+the only gradient is the hidden states', and per token it is one scalar times a fixed vector,
 
-Against `torch.utils.checkpoint` around a log-softmax (what grpo.py did before) this saves the
-recompute of the forward (logsumexp and the entropy a second time) and autograd's temporaries: about
-half the full-vocabulary passes. The head weight must be frozen (LoRA does not target it) and whole on
-this rank (not ZeRO-3 partitioned); grpo.chunked_token_logprobs falls back to the checkpointed path
-otherwise.
+    d loss / d hidden_i = (d loss / d logp_i) / T * (onehot(y_i) - softmax_i) @ weight
+
+The vector needs the chunk's softmax, which the forward has anyway (for logz and the entropy); the scalar
+comes from the loss later. So the forward keeps the vector per token ([N, H], the size of the hidden
+states) and the backward is one product, instead of making every chunk's logits again (a second
+vocabulary-sized GEMM and its softmax passes, about a sixth of a 1.5B model's learning step on an H200).
+Against `torch.utils.checkpoint` around a log-softmax (what grpo.py did first) it also saves the recompute
+of the forward and autograd's temporaries. The head weight must be frozen (LoRA does not target it) and
+whole on this rank (not ZeRO-3 partitioned); grpo.chunked_token_logprobs falls back to the checkpointed
+path otherwise.
 
 Top-p (`grpo.top_p < 1`): vLLM samples from the nucleus of softmax(logits / T) and, under
 `logprobs_mode="processed_logprobs"`, returns logprobs renormalised over that nucleus; the trainer must
@@ -32,10 +37,10 @@ details:
   (those come in runs with bf16 logits). The normaliser is the same for every subset of that size;
   the gradient spreads the kept count evenly over the tied tokens (its expectation over the subsets).
 The sort is done a bounded number of rows at a time (`_SORT_ELEMENTS`), so it adds a fixed ~1 GB at
-most, not a multiple of the chunk's logits; the backward needs no sort (per token it keeps the smallest
-kept logit and the tie weight) and no float temporary beyond the chunk's. Cost on one H200, vocabulary
-151,936, 16,384 tokens in chunks of 4,096: forward 0.38 s instead of 0.06 s (the sort), backward 0.08 s
-instead of 0.05 s, the same peak memory.
+most, not a multiple of the chunk's logits; the gradient then needs no sort (per token the smallest kept
+logit and the tie weight) and no float temporary beyond the chunk's. Cost on one H200, vocabulary
+151,936, 16,384 tokens in chunks of 4,096 (measured when the backward still made the logits again):
+forward 0.38 s instead of 0.06 s (the sort), backward 0.08 s instead of 0.05 s, the same peak memory.
 
 fp32 head (`model.fp32_head`, argument `fp32_head`): in a bf16 model the logits are a bf16 matmul's result,
 rounded to bf16 (a step of 1/32 between 4 and 8), then upcast; each engine rounds its own slightly different
@@ -45,8 +50,8 @@ comes from the decoders). With the option both compute the LM head with a float3
 does under `hf_overrides={"head_dtype": "float32"}`
 (vllm/model_executor/layers/logits_processor.py `_apply_head`): on CUDA one bf16 GEMM with a float32
 output (`torch.mm(out_dtype=)`, torch >= 2.10, no float32 copy of the weight), elsewhere both operands cast to float32
-(a float32 copy of the weight, made once per forward and once per backward, not per chunk). The backward
-keeps the weight's dtype for `grad_hidden` (rounded to the hidden states' dtype anyway). A float32 model
+(a float32 copy of the weight, made once per forward, not per chunk). The gradient's product keeps the
+weight's dtype (it is rounded to the hidden states' dtype anyway). A float32 model
 is unchanged by the option.
 """
 from __future__ import annotations
@@ -138,7 +143,11 @@ def nucleus_log_weights(logits: torch.Tensor, targets: torch.Tensor, tau: torch.
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """(hidden [N, H], targets [N], weight [V, H]) -> (logp [N] float32, entropy [N] float32, no grad)."""
+    """(hidden [N, H], targets [N], weight [V, H]) -> (logp [N] float32, entropy [N] float32, no grad).
+
+    The gradient is made in the forward (module doc, "Gradient in the forward"): per row it is the
+    upstream scalar times d logp / d hidden, which the forward can form from the logits it has anyway;
+    the backward is one [N, H] product, with no second pass over the vocabulary."""
 
     @staticmethod
     def forward(ctx, hidden, targets, weight, temperature: float, chunk: int, top_p: float = 1.0,
@@ -147,47 +156,37 @@ class HeadLogprobs(torch.autograd.Function):
         w = head_weight(weight, hidden, fp32_head)
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp)
-        logz = torch.empty_like(logp)
-        tau = tie_w = None
-        if top_p < 1.0:
-            tau, tie_w = torch.empty_like(logp), torch.empty_like(logp)
+        # d logp / d hidden, before the upstream gradient and 1/T: (onehot(y) - softmax) @ weight
+        dlogp = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         for i in range(0, n, chunk):
             sl = slice(i, i + chunk)
+            y = targets[sl, None]
             logits = _chunk_logits(hidden[sl], w, temperature, fp32_head)
-            if tau is not None:
-                tau[sl], tie_w[sl], logz[sl], entropy[sl] = nucleus(logits, targets[sl], top_p)
-                logp[sl] = logits.gather(-1, targets[sl, None]).squeeze(-1) - logz[sl]
-                continue
-            z = torch.logsumexp(logits, dim=-1)
-            logz[sl] = z
-            logits.sub_(z[:, None])  # now log-probabilities
-            logp[sl] = logits.gather(-1, targets[sl, None]).squeeze(-1)
-            # H = -sum p log p, as a batched dot product (no product tensor is written)
-            entropy[sl] = -torch.bmm(logits.exp().unsqueeze(1), logits.unsqueeze(2)).view(-1)
-        ctx.save_for_backward(hidden, targets, weight, logz, tau, tie_w)
-        ctx.temperature, ctx.chunk, ctx.fp32_head = temperature, chunk, fp32_head
+            if top_p < 1.0:
+                tau, tie_w, logz, entropy[sl] = nucleus(logits, targets[sl], top_p)
+                logp[sl] = logits.gather(-1, y).squeeze(-1) - logz
+                p = _nucleus_softmax_(logits, y, tau, tie_w, logz) if dlogp is not None else None
+            else:
+                logits.sub_(torch.logsumexp(logits, dim=-1)[:, None])  # now log-probabilities
+                logp[sl] = logits.gather(-1, y).squeeze(-1)
+                p = logits.exp()
+                # H = -sum p log p, as a batched dot product (no product tensor is written)
+                entropy[sl] = -torch.bmm(p.unsqueeze(1), logits.unsqueeze(2)).view(-1)
+            del logits  # before the half-precision copy below: the peak stays two float32 chunks
+            if dlogp is not None:
+                p.neg_().scatter_add_(-1, y, torch.ones_like(y, dtype=p.dtype))
+                dlogp[sl] = p.to(hidden.dtype) @ weight
+            del p
+        ctx.save_for_backward(dlogp)
+        ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, targets, weight, logz, tau, tie_w = ctx.saved_tensors
-        t, chunk = ctx.temperature, ctx.chunk
-        w = head_weight(weight, hidden, ctx.fp32_head)
-        grad_hidden = torch.empty_like(hidden)
-        g_all = grad_logp.float() / t
-        for i in range(0, hidden.shape[0], chunk):
-            sl = slice(i, i + chunk)
-            h, y, g = hidden[sl], targets[sl, None], g_all[sl, None]
-            p = _chunk_logits(h, w, t, ctx.fp32_head)
-            if tau is None:
-                p.sub_(logz[sl, None]).exp_()  # softmax
-            else:
-                p = _nucleus_softmax_(p, y, tau[sl], tie_w[sl], logz[sl])
-            p.mul_(-g)
-            p.scatter_add_(-1, y, g)  # (onehot - softmax) * g / T
-            grad_hidden[sl] = p.to(hidden.dtype) @ weight
-        return grad_hidden, None, None, None, None, None, None
+        (dlogp,) = ctx.saved_tensors
+        g = grad_logp.float() / ctx.temperature
+        return (dlogp * g[:, None]).to(dlogp.dtype), None, None, None, None, None, None
 
 
 def _nucleus_softmax_(logits, y, tau, tie_w, logz):
