@@ -34,6 +34,7 @@ the `qwen2.5-1.5b` shape.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import ctypes
 import json
@@ -308,7 +309,8 @@ def client_argv(endpoint: str, port: int, model: Path, requests: int, seed: int)
             "--model", w["model_name"], "--tokenizer", str(model), "--dataset-name", w["dataset"],
             "--random-input-len", str(w["input_len"]), "--random-output-len", str(w["output_len"]),
             "--num-prompts", str(requests), "--max-concurrency", str(w["concurrency"]), "--seed", str(seed),
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm"]
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
+            "--save-detailed"]  # keeps the per-request errors in the result (dropped otherwise)
 
 
 def run_client(argv: list[str], log_file) -> dict:
@@ -350,10 +352,35 @@ def one_pass(side: str, endpoint: str, ports: dict, server: VllmServer, model: P
     done = max(1, out["completed"] or 0)
     out["cpu_ms_per_request"] = {name: 1000 * cpu_s_between(before[name], after[name]) / done for name in pids}
     out["cpu_ms_per_request"]["client"] = 1000 * client_cpu / done
-    errors = [e for e in res.get("errors", []) if e]
+    errors = collections.Counter(e.strip()[-500:] for e in res.get("errors") or [] if e)
     if errors:
-        out["first_error"] = errors[0][-500:]
+        out["errors"] = dict(errors.most_common(3))  # the distinct messages, with how many requests got each
     return out
+
+
+def all_failed(res: dict) -> str | None:
+    """Why a pass is of no use: every request failed (the first error, for the log); None otherwise."""
+    if res.get("completed") or not res.get("failed"):
+        return None
+    first = next(iter(res.get("errors") or {}), "no error text")
+    return f"all {res['failed']} requests failed; first error: {first}"
+
+
+def service_errors(limit: int = 60) -> str:
+    """The ERROR and Traceback lines of this Ray session's Serve logs (proxy, Ingress, replica), last
+    `limit`: what a failing REST side said, since the client sees only a status and a reason."""
+    import ray
+
+    try:
+        logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    except Exception:
+        return ""
+    lines = []
+    for f in sorted(logs.glob("*.log")):
+        for line in f.read_text(errors="replace").splitlines():
+            if " ERROR " in line or "Traceback" in line or "Error:" in line:
+                lines.append(f"{f.name}: {line[:400]}")
+    return "\n".join(lines[-limit:])
 
 
 def _median(xs):
@@ -370,6 +397,11 @@ def summarize(rounds: list[dict]) -> dict:
         for side in SIDES:
             runs = [r[ep][side] for r in measured]
             sides[side] = {k: _median([x.get(k) for x in runs]) for k in METRICS}
+            errors = collections.Counter()
+            for x in runs:
+                errors.update(x.get("errors") or {})
+            if errors:
+                sides[side]["errors"] = dict(errors.most_common(3))
             sides[side]["cpu_ms_per_request"] = {
                 name: _median([x["cpu_ms_per_request"].get(name) for x in runs])
                 for name in runs[0]["cpu_ms_per_request"]}
@@ -415,11 +447,12 @@ def table(summary: dict) -> str:
     lines = [head, "-" * len(head)]
     for ep, s in summary.items():
         for side in SIDES:
-            m = s[side]
+            m = {k: v or 0 for k, v in s[side].items()}
             lines.append(f"{ep:<12} {side:<6} {m['output_tok_s']:>9.0f} {m['request_s']:>7.2f} "
                          f"{m['ttft_p50_ms']:>7.0f}ms {m['ttft_p99_ms']:>7.0f}ms {m['tpot_p50_ms']:>7.1f}ms")
         for prefix, what in (("", "Serve port"), ("direct_", "replica port")):
-            lines.append(f"{ep:<12} {'ratio':<6} {s[prefix + 'ratio']:>9.2f}x  ({what} / vLLM output tok/s, runs "
+            ratio = "n/a" if s[prefix + "ratio"] is None else f"{s[prefix + 'ratio']:.2f}x"
+            lines.append(f"{ep:<12} {'ratio':<6} {ratio:>10}  ({what} / vLLM output tok/s, runs "
                          + ", ".join(f"{r:.2f}" for r in s[prefix + "ratio_runs"]) + ")")
     return "\n".join(lines)
 
@@ -559,6 +592,9 @@ def main(argv=None) -> int:
                         row[ep][side] = res
                         progress.stage(f"{what}: {res['output_tok_s'] or 0:6.0f} tok/s, TTFT p50 "
                                        f"{res['ttft_p50_ms'] or 0:5.0f} ms, {res['completed']}/{w['requests']} ok")
+                        if (why := all_failed(res)) is not None:  # no use running the other passes
+                            log(f"service errors:\n{service_errors()}")
+                            raise RuntimeError(f"{what.strip()}: {why}")
         progress.write(f"all {passes} passes done; stopping the servers, then the final document")
     except BaseException as e:  # a signal's SystemExit and Ctrl-C too: the partial document says why it stopped
         progress.write(f"stopped after {progress.passes_done()} of {passes} passes: {type(e).__name__}: {e}",
@@ -614,7 +650,10 @@ def main(argv=None) -> int:
     except Exception as e:  # a missing matplotlib must not lose the numbers
         log(f"plot failed: {e}")
     print(table(summary))
-    log(f"{key} = {doc[key]:.2f}, replica port {doc[key + '_replica_port']:.2f} (goal >= {GOAL}); wrote {f} and "
+    def fmt(x):
+        return "n/a" if x is None else f"{x:.2f}"
+
+    log(f"{key} = {fmt(doc[key])}, replica port {fmt(doc[key + '_replica_port'])} (goal >= {GOAL}); wrote {f} and "
         f"{f.with_suffix('.png').name}")
     return 0
 

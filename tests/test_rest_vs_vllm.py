@@ -135,3 +135,17 @@ def test_partial_document_has_the_passes_done_and_why(tmp_path, capsys):
     doc = json.loads(path.read_text())
     assert doc["partial_reason"].endswith("SystemExit: 143") and doc["vllm_server_log_tail"] == "..."
     assert len(doc["stages"]) == 2 and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_pass_whose_requests_all_failed_names_the_first_error():
+    """A side that fails every request stops the benchmark with the client's error text (kept by
+    --save-detailed), rather than running the other passes and reporting only zeros."""
+    assert "--save-detailed" in rv.client_argv("completions", 1, Path("m"), 4, 0)
+    failed = {"completed": 0, "failed": 4, "errors": {"Not Found": 3, "Bad Request": 1}}
+    assert rv.all_failed(failed) == "all 4 requests failed; first error: Not Found"
+    assert rv.all_failed({"completed": 1, "failed": 3, "errors": {"Not Found": 3}}) is None
+    assert rv.all_failed({"completed": 4, "failed": 0}) is None
+    summary = rv.summarize([{ep: {side: {**{k: 0 for k in rv.METRICS}, **failed, "cpu_ms_per_request": {}}
+                                   for side in rv.SIDES} for ep in rv.ENDPOINTS}])
+    assert summary["chat"]["rest"]["errors"] == {"Not Found": 3, "Bad Request": 1}
+    assert summary["chat"]["ratio"] is None and "n/a" in rv.table(summary)
