@@ -366,21 +366,32 @@ def all_failed(res: dict) -> str | None:
     return f"all {res['failed']} requests failed; first error: {first}"
 
 
-def service_errors(limit: int = 60) -> str:
-    """The ERROR and Traceback lines of this Ray session's Serve logs (proxy, Ingress, replica), last
-    `limit`: what a failing REST side said, since the client sees only a status and a reason."""
+def service_errors(per_file: int = 12) -> str:
+    """What a failing REST side said, since the client sees only a status and a reason: the death cause of
+    every dead actor of this Ray session, then per Serve log (proxy, Ingress, replica) and per worker
+    stderr its last ERROR / Traceback / fatal lines."""
     import ray
 
+    out = []
+    try:  # the GCS's actor table (ray.util.state would need the dashboard)
+        from ray._private.state import actors
+
+        for a in actors().values():
+            if a.get("State") == "DEAD":
+                cause = str(a.get("DeathCause"))[:1500]
+                out.append(f"dead actor {a.get('ActorClassName')} pid {a.get('Pid')}: {cause}")
+    except Exception as e:
+        out.append(f"(no actor table: {e})")
     try:
-        logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+        logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
     except Exception:
-        return ""
-    lines = []
-    for f in sorted(logs.glob("*.log")):
-        for line in f.read_text(errors="replace").splitlines():
-            if " ERROR " in line or "Traceback" in line or "Error:" in line:
-                lines.append(f"{f.name}: {line[:400]}")
-    return "\n".join(lines[-limit:])
+        return "\n".join(out)
+    marks = (" ERROR ", "Traceback", "Error", "Fatal", "Segmentation", "SIGSEGV", "SIGABRT", "core dumped",
+             "Aborted", "CUDA", "Killed")
+    for f in sorted([*logs.glob("serve/*.log"), *logs.glob("worker-*.err")]):
+        lines = [line for line in f.read_text(errors="replace").splitlines() if any(m in line for m in marks)]
+        out += [f"{f.name}: {line[:400]}" for line in lines[-per_file:]]
+    return "\n".join(out)
 
 
 def _median(xs):
