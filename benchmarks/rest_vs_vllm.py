@@ -414,8 +414,13 @@ def service_errors(per_file: int = 12) -> str:
     marks = (" ERROR ", "Traceback", "Error", "Fatal", "Segmentation", "SIGSEGV", "SIGABRT", "core dumped",
              "Aborted", "CUDA", "Killed")
     for f in sorted([*logs.glob("serve/*.log"), *logs.glob("worker-*.err")]):
-        lines = [line for line in f.read_text(errors="replace").splitlines() if any(m in line for m in marks)]
+        text = f.read_text(errors="replace").splitlines()
+        lines = [line for line in text if any(m in line for m in marks)]
         out += [f"{f.name}: {line[:400]}" for line in lines[-per_file:]]
+        last = max((i for i, line in enumerate(text) if "Traceback" in line), default=None)
+        if last is not None:  # the newest traceback whole: which call, which actor
+            out.append(f"{f.name}: last traceback:")
+            out += [f"    {line[:400]}" for line in text[last:last + 40]]
     return "\n".join(out)
 
 
