@@ -17,7 +17,7 @@ the same); the first round is a warm-up. A ratio is the median over rounds of RE
 within the round. Each pass also records the CPU seconds every process of each side used, per request.
 
     python benchmarks/rest_vs_vllm.py [--smoke] [--rounds N] [--requests N] [--out DIR] [--work DIR]
-                                      [--start-order together|after-kv|serial]
+                                      [--start-order together|after-kv|serial] [--direct-ingress]
     python -m app bench rest_vs_vllm
 
 Both servers start at once on CPU; on a GPU vLLM's server is ready first, then ours deploys (--start-order,
@@ -239,19 +239,31 @@ class VllmServer:
         self._log.close()
 
 
-def start_rest(cfg, payload, before_deploy=None, progress=log) -> int:
+def start_rest(cfg, payload, before_deploy=None, progress=log, direct_ingress: bool = False) -> dict:
     """Our service on cfg.rollout.http_port, policy-v1 published before the app starts; waits until healthy
     (its reason to `progress` every ~30 s while not). `before_deploy()`, when given, runs after Ray is up and
-    before the app (and so its engine) starts. Returns the replica's own REST port."""
+    before the app (and so its engine) starts. Returns the ports: "rest" (the service's), "direct" (the
+    replica's own REST port).
+
+    `direct_ingress`: Ray Serve's experimental direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS, Ray 2.60): the
+    Ingress replica listens itself and requests skip the proxy. Serve reads its port range from the
+    environment of the processes Ray starts, so it is pinned to one free port before `ray.init`."""
     import ray
 
     from common.registry import get_or_create_registry
     from serve_deployments.app_builder import start_with_adapter, wait_healthy
 
+    ingress_port = None
+    if direct_ingress:
+        ingress_port = free_port()
+        os.environ.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1", RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(ingress_port),
+                          RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(ingress_port + 1))
     ray.init(address="local", num_cpus=4, num_gpus=min(1, _gpus()), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
                                        "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
-    cfg.rollout.http_port = free_port()  # picked after Ray's own agents bound theirs
+    # Picked after Ray's own agents bound theirs. Under direct ingress the (idle) proxy keeps this one, and
+    # the Ingress must not ask for it: it would fail to bind and Serve would block the port.
+    cfg.rollout.http_port = free_port()
     cfg.rollout.replica_http_port = 0
     registry = get_or_create_registry()
     if before_deploy is not None:
@@ -261,7 +273,8 @@ def start_rest(cfg, payload, before_deploy=None, progress=log) -> int:
     assert version == 1, version
     progress("our service: deployed; waiting for its health (every replica up, holding policy-v1)")
     wait_healthy(handle, log=progress)
-    return int(handle.stats.remote().result()["replicas"][0]["http_url"].rsplit(":", 1)[1].split("/")[0])
+    replica_port = int(handle.stats.remote().result()["replicas"][0]["http_url"].rsplit(":", 1)[1].split("/")[0])
+    return {"rest": ingress_port or cfg.rollout.http_port, "direct": replica_port}
 
 
 def _jsonable(x):
@@ -548,6 +561,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default=None, help="model shape (default tiny on CPU, qwen2.5-1.5b on a GPU)")
     p.add_argument("--work", default=None, help="model, adapter and logs (default: a temp dir)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--direct-ingress", action="store_true",
+                   help="Ray Serve's experimental direct ingress: the Ingress replica serves HTTP itself, no proxy hop")
     p.add_argument("--start-order", choices=list(START_ORDERS), default=None,
                    help="how the two servers start: " + "; ".join(f"{k}: {v}" for k, v in START_ORDERS.items())
                    + " (default serial on a GPU, together on CPU)")
@@ -611,9 +626,11 @@ def main(argv=None) -> int:
             if server.error is not None:  # no use waiting on ours (wait_healthy says why every ~30 s)
                 raise server.error
 
-        direct_port = start_rest(cfg, (tensors, meta), before_deploy=before_deploy, progress=rest_progress)
+        ports = start_rest(cfg, (tensors, meta), before_deploy=before_deploy, progress=rest_progress,
+                           direct_ingress=args.direct_ingress)
         starts["rest_s"] = time.time() - t0
-        ports = {"rest": cfg.rollout.http_port, "direct": direct_port, "vllm": server.port}
+        ports["vllm"] = server.port
+        direct_port = ports["direct"]
         progress.stage(f"REST service healthy on :{ports['rest']} ({starts['rest_s']:.0f}s after launch); "
                        f"replica port :{direct_port}" + ("" if server.ready_s else "; waiting for vLLM's api_server"))
         server.wait_ready()
@@ -686,6 +703,8 @@ def main(argv=None) -> int:
                      **({"vllm_server_env_extra": server.env_extra} if server.env_extra else {}),
                      "client": "vllm bench serve " + " ".join(client_argv("completions", 0, model, w["requests"], 0)),
                      "rest": {"replicas": 1, "router_policy": cfg.router.policy,
+                              "ingress": ("Ray Serve direct ingress (the Ingress replica listens; no proxy)"
+                                          if args.direct_ingress else "Ray Serve's HTTP proxy -> Ingress"),
                               "auth": "none: a standalone service's REST reads need no token (only /admin does)",
                               **({"stream_interval_ms": cfg.rollout.stream_interval_ms}
                                  if hasattr(cfg.rollout, "stream_interval_ms") else {})},
