@@ -437,6 +437,14 @@ def service_errors(per_file: int = 12) -> str:
     return "\n".join(out)
 
 
+def log_service_errors() -> None:
+    log(f"service errors:\n{service_errors()}")
+
+
+def _ratio_text(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -505,7 +513,7 @@ def table(summary: dict) -> str:
             lines.append(f"{ep:<12} {side:<6} {m['output_tok_s']:>9.0f} {m['request_s']:>7.2f} "
                          f"{m['ttft_p50_ms']:>7.0f}ms {m['ttft_p99_ms']:>7.0f}ms {m['tpot_p50_ms']:>7.1f}ms")
         for prefix, what in (("", "Serve port"), ("direct_", "replica port")):
-            ratio = "n/a" if s[prefix + "ratio"] is None else f"{s[prefix + 'ratio']:.2f}x"
+            ratio = _ratio_text(s[prefix + "ratio"]) + ("x" if s[prefix + "ratio"] is not None else "")
             lines.append(f"{ep:<12} {'ratio':<6} {ratio:>10}  ({what} / vLLM output tok/s, runs "
                          + ", ".join(f"{r:.2f}" for r in s[prefix + "ratio_runs"]) + ")")
     return "\n".join(lines)
@@ -630,9 +638,9 @@ def main(argv=None) -> int:
                            direct_ingress=args.direct_ingress)
         starts["rest_s"] = time.time() - t0
         ports["vllm"] = server.port
-        direct_port = ports["direct"]
         progress.stage(f"REST service healthy on :{ports['rest']} ({starts['rest_s']:.0f}s after launch); "
-                       f"replica port :{direct_port}" + ("" if server.ready_s else "; waiting for vLLM's api_server"))
+                       f"replica port :{ports['direct']}"
+                       + ("" if server.ready_s else "; waiting for vLLM's api_server"))
         server.wait_ready()
         starts["vllm_s"] = server.ready_s
         starts["both_ready_s"] = time.time() - t0
@@ -644,7 +652,7 @@ def main(argv=None) -> int:
         progress.stage("probe requests: " + ("every side answered 200" if not bad else "; ".join(
             f"{k}: {v['status']} {v['body'][:600]}" for k, v in bad.items())))
         if bad:
-            log(f"service errors:\n{service_errors()}")
+            log_service_errors()
         with open(work / "client.log", "w") as client_log:
             for r in range(w["rounds"]):
                 order = SIDES if r % 2 == 0 else SIDES[::-1]
@@ -660,7 +668,7 @@ def main(argv=None) -> int:
                         progress.stage(f"{what}: {res['output_tok_s'] or 0:6.0f} tok/s, TTFT p50 "
                                        f"{res['ttft_p50_ms'] or 0:5.0f} ms, {res['completed']}/{w['requests']} ok")
                         if (why := all_failed(res)) is not None:  # no use running the other passes
-                            log(f"service errors:\n{service_errors()}")
+                            log_service_errors()
                             raise RuntimeError(f"{what.strip()}: {why}")
         progress.write(f"all {passes} passes done; stopping the servers, then the final document")
     except BaseException as e:  # a signal's SystemExit and Ctrl-C too: the partial document says why it stopped
@@ -719,11 +727,8 @@ def main(argv=None) -> int:
     except Exception as e:  # a missing matplotlib must not lose the numbers
         log(f"plot failed: {e}")
     print(table(summary))
-    def fmt(x):
-        return "n/a" if x is None else f"{x:.2f}"
-
-    log(f"{key} = {fmt(doc[key])}, replica port {fmt(doc[key + '_replica_port'])} (goal >= {GOAL}); wrote {f} and "
-        f"{f.with_suffix('.png').name}")
+    log(f"{key} = {_ratio_text(doc[key])}, replica port {_ratio_text(doc[key + '_replica_port'])} (goal >= {GOAL}); "
+        f"wrote {f} and {f.with_suffix('.png').name}")
     return 0
 
 
