@@ -239,11 +239,13 @@ class VllmServer:
         self._log.close()
 
 
-def start_rest(cfg, payload, before_deploy=None, progress=log, direct_ingress: bool = False) -> dict:
+def start_rest(cfg, payload, before_deploy=None, progress=log, direct_ingress: bool = False) -> tuple[dict, object]:
     """Our service on cfg.rollout.http_port, policy-v1 published before the app starts; waits until healthy
     (its reason to `progress` every ~30 s while not). `before_deploy()`, when given, runs after Ray is up and
-    before the app (and so its engine) starts. Returns the ports: "rest" (the service's), "direct" (the
-    replica's own REST port).
+    before the app (and so its engine) starts. Returns the ports ("rest": the service's, "direct": the
+    replica's own REST port) and the registry's handle, which the caller holds while it serves: the registry
+    dies with its owner's last handle, and then no request can be served (on the H200, 2026-12-04, every
+    request of three sittings failed so).
 
     `direct_ingress`: Ray Serve's experimental direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS, Ray 2.60): the
     Ingress replica listens itself and requests skip the proxy. Serve reads its port range from the
@@ -274,7 +276,7 @@ def start_rest(cfg, payload, before_deploy=None, progress=log, direct_ingress: b
     progress("our service: deployed; waiting for its health (every replica up, holding policy-v1)")
     wait_healthy(handle, log=progress)
     replica_port = int(handle.stats.remote().result()["replicas"][0]["http_url"].rsplit(":", 1)[1].split("/")[0])
-    return {"rest": ingress_port or cfg.rollout.http_port, "direct": replica_port}
+    return {"rest": ingress_port or cfg.rollout.http_port, "direct": replica_port}, registry
 
 
 def _jsonable(x):
@@ -431,9 +433,12 @@ def service_errors(per_file: int = 12) -> str:
         lines = [line for line in text if any(m in line for m in marks)]
         out += [f"{f.name}: {line[:400]}" for line in lines[-per_file:]]
         last = max((i for i, line in enumerate(text) if "Traceback" in line), default=None)
-        if last is not None:  # the newest traceback whole: which call, which actor
+        if last is not None:  # the newest traceback: its head (which call) and its tail (which error)
+            end = next((j for j in range(last + 1, len(text)) if text[j][:1].strip()), len(text) - 1)
+            tb = text[last:end + 1]
+            tb = tb if len(tb) <= 40 else [*tb[:4], "...", *tb[-32:]]
             out.append(f"{f.name}: last traceback:")
-            out += [f"    {line[:400]}" for line in text[last:last + 40]]
+            out += [f"    {line[:400]}" for line in tb]
     return "\n".join(out)
 
 
@@ -634,8 +639,8 @@ def main(argv=None) -> int:
             if server.error is not None:  # no use waiting on ours (wait_healthy says why every ~30 s)
                 raise server.error
 
-        ports = start_rest(cfg, (tensors, meta), before_deploy=before_deploy, progress=rest_progress,
-                           direct_ingress=args.direct_ingress)
+        ports, registry = start_rest(cfg, (tensors, meta), before_deploy=before_deploy, progress=rest_progress,
+                                     direct_ingress=args.direct_ingress)  # held until main returns
         starts["rest_s"] = time.time() - t0
         ports["vllm"] = server.port
         progress.stage(f"REST service healthy on :{ports['rest']} ({starts['rest_s']:.0f}s after launch); "

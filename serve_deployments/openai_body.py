@@ -160,11 +160,14 @@ def _check_str(text: str) -> None:
 
 def install_error_handlers(app) -> None:
     """OpenAI-style error bodies for what FastAPI itself refuses (unknown routes, methods, unparsable
-    requests) and a scrubbed 500 for a bug: the ingress's app and a replica's own (replica_http.py)."""
+    requests), a 503 while the registry is gone, and a scrubbed 500 for a bug: the ingress's app and a
+    replica's own (replica_http.py)."""
     import logging
 
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from serve_deployments.served_versions import RegistryGoneError
 
     logger = logging.getLogger("ray.serve")
 
@@ -176,6 +179,11 @@ def install_error_handlers(app) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         return json_response(error_body(400, "invalid request"), 400)
+
+    @app.exception_handler(RegistryGoneError)
+    async def _registry_gone(request: Request, exc: RegistryGoneError):
+        logger.warning("%s: %s", request.url.path, exc)
+        return json_response(error_body(503, scrub(str(exc)), "server_error"), 503, {"Retry-After": "5"})
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

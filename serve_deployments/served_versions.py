@@ -11,7 +11,14 @@ from collections.abc import Callable
 
 from ray.actor import ActorHandle
 
+from common.faults import short_error
 from common.types import adapter_name
+
+
+class RegistryGoneError(RuntimeError):
+    """The standalone run's registry cannot be reached, so no request can be resolved to a version: the
+    driver that owns it ended (a registry dies with its owner's last handle) or it is being restarted.
+    The OpenAI routes answer it with 503 (openai_body.install_error_handlers)."""
 
 
 class ServedVersions:
@@ -43,10 +50,12 @@ class ServedVersions:
             if registry is None:
                 return []
             live = await registry.live_versions.remote()
-        except Exception:
+        except Exception as e:
+            self._registry = None  # looked up again next time: a restarted driver makes a new one
             if not self.run:
-                raise
-            self._registry = None  # looked up again next time
+                raise RegistryGoneError(f"the adapter registry cannot be reached ({short_error(e)}): no policy "
+                                        "version can be resolved; the run that publishes them ended or is "
+                                        "restarting") from e
             return []
         return sorted(v for v in live if v not in self.unloaded)
 

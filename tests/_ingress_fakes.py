@@ -31,10 +31,13 @@ class FakeRegistry:
     def __init__(self, live: list[int] | None = None, meta: dict[int, dict] | None = None):
         self.live = list(live or [])
         self.meta = {v: {"sha256": f"sha-{v}", "kind": "adapter"} for v in self.live} | dict(meta or {})
+        self.gone: BaseException | None = None
         self.live_versions = _Remote(self._live_versions)
         self.get = _Remote(self._get)
 
     async def _live_versions(self) -> list[int]:
+        if self.gone is not None:  # what a call on a dead actor's handle raises
+            raise self.gone
         return list(self.live)
 
     async def _get(self, version: int) -> dict:

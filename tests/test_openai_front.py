@@ -10,6 +10,7 @@ import json
 
 import pytest
 import ray.exceptions as rex
+from fastapi import Request
 
 from serve_deployments.admission import Admission
 from serve_deployments.openai_api import CHAT, COMPLETIONS
@@ -329,3 +330,41 @@ def test_models_lists_base_and_live_versions(tokenizer):
     assert [m["id"] for m in data] == ["tiny-model", "base", "policy-v3", "policy-v4", "policy-latest"]
     assert all(m["max_model_len"] == ENGINE["max_model_len"] for m in data)
     assert {m["parent"] for m in data[2:]} == {"tiny-model"}
+
+
+def test_a_gone_registry_is_503_naming_it_and_a_new_one_is_found(tokenizer):
+    """The registry dies with its driver's last handle (the H200 REST benchmark dropped it, and every request
+    was a bare 500 "internal error"): the routes answer 503 naming the registry, and the next lookup finds a
+    new registry once one is there."""
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from serve_deployments.openai_body import install_error_handlers
+    from serve_deployments.served_versions import ServedVersions
+    from tests._ingress_fakes import FakeRegistry
+
+    dead, new = FakeRegistry([4]), FakeRegistry([4, 5])
+    dead.gone = rex.ActorDiedError()
+    registries = [dead]
+    versions = ServedVersions(lambda: registries[-1])
+    admission = Admission(4)
+    openai = OpenAIFront(FakePool([answer(5, "sha-5")]), versions, admission,
+                         RequestChecker(tokenizer, admission.max_inflight), 4096)
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post(COMPLETIONS)
+    async def completions(request: Request):
+        return await openai.complete(request, COMPLETIONS)
+
+    app.get("/v1/models")(openai.models)
+    client = TestClient(app)
+    body = {"model": "policy-latest", "prompt": "abc"}
+    for r in (client.post(COMPLETIONS, json=body), client.get("/v1/models")):
+        assert r.status_code == 503 and r.headers["retry-after"] == "5", (r.status_code, r.text)
+        assert "adapter registry cannot be reached" in r.json()["error"]["message"]
+        assert "ActorDiedError" in r.json()["error"]["message"]
+    assert admission.inflight == 0
+    registries.append(new)
+    r = client.post(COMPLETIONS, json=body)
+    assert r.status_code == 200 and r.headers["x-policy-version"] == "5", r.text
