@@ -51,7 +51,10 @@ WORKLOAD = {"shape": "qwen2.5-1.5b", "lora_rank": 1, "target_modules": "all-line
             "group_size": 8, "prompt_tokens": 256, "new_tokens": 1024, "ignore_eos": True, "max_staleness": 2,
             "dtype": "bfloat16"}
 # Issue 20's goals, all on one GPU.
-GOALS = {"step_seconds_1gpu_p50": ("<=", 4.0), "trainer_vs_peft": (">=", 2.0), "rollout_vs_bare_vllm": (">=", 0.95),
+# Goal 1 is both: the p50 step and 500 steps in <= 34 min (the mean, which bursty async steps can put far
+# above the p50).
+GOALS = {"step_seconds_1gpu_p50": ("<=", 4.0), "step_seconds_1gpu_mean": ("<=", 34 * 60 / 500),
+         "trainer_vs_peft": (">=", 2.0), "rollout_vs_bare_vllm": (">=", 0.95),
          "lora_vs_base_decode": (">=", 0.85), "publish_to_served_p50_s": ("<=", 0.15),
          "async_vs_sync_1gpu": (">=", 1.3), "rest_vs_vllm_serve": (">=", 0.9),
          "rest_vs_vllm_serve_replica_port": (">=", 0.9)}
@@ -501,19 +504,22 @@ def phase_pipeline(args, work: Path, model: Path, out: Path) -> dict:
         for mode in args.modes.split(","):
             _pipeline_mode(args, work, model, out, gpus, mode, runs, res)
     res["runs"] = {**args.prev_runs, f"{gpus}gpu": runs}
-    # The goal keys take the faster async run of the two set-ups (time-sliced, or under MPS) and name it.
-    timed = [k for k in ("async", "async-mps") if runs.get(k, {}).get("step_seconds_p50")]
-    best = min(timed, key=lambda k: runs[k]["step_seconds_p50"]) if timed else "async"
+    # The goal keys take the faster async run of the two set-ups (time-sliced, or under MPS) and name it;
+    # faster = more steps per hour (the mean step), not the p50.
+    timed = [k for k in ("async", "async-mps") if runs.get(k, {}).get("step_seconds_mean")]
+    best = min(timed, key=lambda k: runs[k]["step_seconds_mean"]) if timed else "async"
     a, s = runs.get(best, {}), runs.get("sync", {})
-    if a.get("step_seconds_p50"):
+    if a.get("step_seconds_mean"):
         res["pipeline_async_run"] = best
         res[f"step_seconds_{gpus}gpu_p50"] = a["step_seconds_p50"]
+        res[f"step_seconds_{gpus}gpu_mean"] = a["step_seconds_mean"]
         res["publish_to_served_p50_s"] = a.get("publish_to_served_p50") or a.get("publish_seconds_p50")
-    if a.get("step_seconds_p50") and s.get("step_seconds_p50"):
+    if a.get("step_seconds_mean") and s.get("step_seconds_mean"):
         # Steps per hour, async over sync: the same work per step.
-        res[f"async_vs_sync_{gpus}gpu"] = s["step_seconds_p50"] / a["step_seconds_p50"]
-    if runs.get("async-mps", {}).get("step_seconds_p50"):
+        res[f"async_vs_sync_{gpus}gpu"] = s["step_seconds_mean"] / a["step_seconds_mean"]
+    if runs.get("async-mps", {}).get("step_seconds_mean"):
         res[f"step_seconds_{gpus}gpu_mps_p50"] = runs["async-mps"]["step_seconds_p50"]
+        res[f"step_seconds_{gpus}gpu_mps_mean"] = runs["async-mps"]["step_seconds_mean"]
     return res
 
 
@@ -734,7 +740,8 @@ def finish(doc: dict, gpus: int, out: Path) -> dict:
     pipe = no_gpu if not gpus else \
         "the pipeline phase was not run, or its run ended before its steady steps (see runs, *_error)"
     other = "phase failed or not run; see the phase's error key"
-    reasons = {"step_seconds_1gpu_p50": pipe, "async_vs_sync_1gpu": pipe, "publish_to_served_p50_s": pipe,
+    reasons = {"step_seconds_1gpu_p50": pipe, "step_seconds_1gpu_mean": pipe, "async_vs_sync_1gpu": pipe,
+               "publish_to_served_p50_s": pipe,
                "rest_vs_vllm_serve": "the rest phase was not run",
                "rest_vs_vllm_serve_replica_port": "the rest phase was not run"}
     generic = {no_gpu, pipe, other, *reasons.values()}  # a reason written by hand into the JSON stays

@@ -45,6 +45,11 @@ def _p50(xs: list[float]) -> float | None:
     return xs[len(xs) // 2] if xs else None
 
 
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
 def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command: str) -> dict:
     from app.report import proportion_z
 
@@ -62,6 +67,9 @@ def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command
         # Over samples of the trainer's current version only: the engines' mismatch without policy drift.
         "log_ratio_fresh_p50": _p50([r.get("log_ratio_fresh") for r in rows]),
         "step_seconds_p50": _p50([r.get("step_seconds") for r in steady]),
+        # What N steps take, / N. Async steps come in bursts (with max_staleness 2, two fast steps on batches
+        # already there, then one that waits for the engines), so the p50 can sit far below it.
+        "step_seconds_mean": _mean([r.get("step_seconds") for r in steady]),
         "learn_seconds_p50": _p50([r.get("learn_seconds") for r in steady]),
         "train_tokens_per_s_p50": _p50([r.get("train_tokens_per_s") for r in steady]),
         "gen_tokens_per_s_p50": _p50([r.get("gen_tokens_per_s") for r in steady]),

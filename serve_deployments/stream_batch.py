@@ -5,6 +5,9 @@ Ray streaming call, twice (replica -> ingress, ingress -> proxy): on a 2-core ma
 the engine, set the pace. `batched` sends the first event at once (time to first token is untouched) and
 then at most one message per `interval_s`, holding every event that arrived meanwhile, in order; joined
 SSE events are still valid SSE. Ray Serve LLM does the same (its `stream_batching_interval_ms`, 50 ms).
+The end of the stream is not held: a request is done when its last event arrives, and under a closed loop of
+clients (a fixed number of requests in flight) every millisecond held there is a request not sent (on the
+H200, with 32-token answers, waiting out the interval added ~25 ms to a 130 ms request).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ async def batched(source: AsyncIterator[str], interval_s: float) -> AsyncIterato
             yield item
         return
     queue: asyncio.Queue = asyncio.Queue()
+    ended = asyncio.Event()
 
     async def pump() -> None:
         try:
@@ -37,6 +41,7 @@ async def batched(source: AsyncIterator[str], interval_s: float) -> AsyncIterato
             queue.put_nowait(_Raised(e))
         finally:
             queue.put_nowait(_END)
+            ended.set()
 
     loop = asyncio.get_running_loop()
     reader = asyncio.ensure_future(pump())
@@ -44,8 +49,11 @@ async def batched(source: AsyncIterator[str], interval_s: float) -> AsyncIterato
     try:
         while True:
             items = [await queue.get()]
-            if last is not None and (wait := last + interval_s - loop.time()) > 0:
-                await asyncio.sleep(wait)
+            if last is not None and (wait := last + interval_s - loop.time()) > 0 and not ended.is_set():
+                try:  # until the interval is over, or the stream ends: its last events go at once
+                    await asyncio.wait_for(ended.wait(), wait)
+                except asyncio.TimeoutError:
+                    pass
             while not queue.empty():
                 items.append(queue.get_nowait())
             text = "".join(x for x in items if isinstance(x, str))
