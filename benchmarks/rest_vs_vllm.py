@@ -20,8 +20,8 @@ within the round. Each pass also records the CPU seconds every process of each s
                                       [--start-order together|after-kv|serial] [--direct-ingress]
     python -m app bench rest_vs_vllm
 
-Both servers start at once on CPU; on a GPU vLLM's server is ready first, then ours deploys (--start-order,
-START_ORDERS). Before the passes, one small request per side and endpoint records its status and body
+Both servers start at once on CPU; on a GPU ours deploys once vLLM's server has allocated its KV cache
+(--start-order, START_ORDERS). Before the passes, one small request per side and endpoint records its status and body
 (`server_start_s.probes`): the client keeps only a failed request's HTTP reason. A pass whose requests
 all fail stops the run, printing the dead actors' causes and the Serve logs' error lines. Stages and passes
 are logged with their time as they happen, and OUT/rest_vs_vllm_{cpu|gpu}_partial.json is rewritten at each
@@ -578,7 +578,7 @@ def main(argv=None) -> int:
                    help="Ray Serve's experimental direct ingress: the Ingress replica serves HTTP itself, no proxy hop")
     p.add_argument("--start-order", choices=list(START_ORDERS), default=None,
                    help="how the two servers start: " + "; ".join(f"{k}: {v}" for k, v in START_ORDERS.items())
-                   + " (default serial on a GPU, together on CPU)")
+                   + " (default after-kv on a GPU, together on CPU)")
     args = p.parse_args(argv)
     w = WORKLOAD
     if args.smoke:
@@ -600,10 +600,9 @@ def main(argv=None) -> int:
     tensors, meta = make_lora_payload(model, seed=1, rank=w["lora_rank"])
     adapter = write_peft_dir(tensors, meta["peft_config"], work / "adapter")
     cfg = service_config(model, gpus)
-    # Serial on a GPU: with after-kv our replica died at its first requests on the H200 (2026-12-04, twice),
-    # its engine having profiled its memory while vLLM's server captured its CUDA graphs; whether that is
-    # the cause is open, and serial takes that interaction out of the measurement (about a minute more).
-    start_order = args.start_order or ("serial" if gpus else "together")
+    # after-kv on a GPU: two engines must not profile the GPU's free memory at once. (The H200 failures of
+    # 2026-12-04 blamed on it were the registry's death: start_rest let its handle go.) serial costs ~100 s.
+    start_order = args.start_order or ("after-kv" if gpus else "together")
     passes = w["rounds"] * len(ENDPOINTS) * len(SIDES)
     progress = Progress(out / f"rest_vs_vllm_{device}_partial.json", {
         "command": "python benchmarks/rest_vs_vllm.py " + " ".join(argv), "workload": {**w, "shape": shape},
