@@ -11,14 +11,15 @@ from collections.abc import Callable
 
 from ray.actor import ActorHandle
 
-from common.faults import short_error
+from common.faults import LostError, short_error
 from common.types import adapter_name
 
 
-class RegistryGoneError(RuntimeError):
+class RegistryGoneError(LostError):
     """The standalone run's registry cannot be reached, so no request can be resolved to a version: the
     driver that owns it ended (a registry dies with its owner's last handle) or it is being restarted.
-    The OpenAI routes answer it with 503 (openai_body.install_error_handlers)."""
+    The OpenAI routes answer it with 503 (openai_body.install_error_handlers); for a Ray caller it is a lost
+    callee (common.faults.is_lost), as the registry's own ActorDiedError was, also once pickled."""
 
 
 class ServedVersions:

@@ -368,3 +368,19 @@ def test_a_gone_registry_is_503_naming_it_and_a_new_one_is_found(tokenizer):
     registries.append(new)
     r = client.post(COMPLETIONS, json=body)
     assert r.status_code == 200 and r.headers["x-policy-version"] == "5", r.text
+
+
+def test_a_gone_registry_is_a_lost_callee_for_rollout_callers_too():
+    """The rollout path raises the same error to a rollout worker through Ray, which pickles it without its
+    __cause__: it must still read as a lost callee (retried), as the registry's ActorDiedError did."""
+    import pickle
+
+    from common.faults import is_lost
+    from serve_deployments.served_versions import RegistryGoneError, ServedVersions
+    from tests._ingress_fakes import FakeRegistry
+
+    dead = FakeRegistry([4])
+    dead.gone = rex.ActorDiedError()
+    with pytest.raises(RegistryGoneError) as e:
+        asyncio.run(ServedVersions(lambda: dead).live())
+    assert is_lost(e.value) and is_lost(pickle.loads(pickle.dumps(e.value)))
