@@ -377,17 +377,18 @@ def one_pass(side: str, endpoint: str, ports: dict, server: VllmServer, model: P
     return out
 
 
-def probe(port: int, endpoint: str, timeout_s: float = 120.0) -> dict:
-    """One small non-streaming request to a side, before the passes: its status and the start of its body.
+def probe(port: int, endpoint: str, timeout_s: float = 120.0, max_tokens: int = 4, stream: bool = False) -> dict:
+    """One small request to a side, before the passes: its status, the start of its body and its seconds.
     The benchmark client keeps only a failed request's HTTP reason ("Internal Server Error"); the body
-    says what went wrong."""
+    says what went wrong. (benchmarks/probes/rest_latency.py times requests with it.)"""
     path = ENDPOINTS[endpoint][1]
     body = ({"prompt": "1 2 3"} if endpoint == "completions" else
             {"messages": [{"role": "user", "content": "1 2 3"}]})
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method="POST",
-                                 data=json.dumps({"model": WORKLOAD["model_name"], "max_tokens": 4, **body}).encode(),
+                                 data=json.dumps({"model": WORKLOAD["model_name"], "max_tokens": max_tokens,
+                                                  "stream": stream, **body}).encode(),
                                  headers={"Content-Type": "application/json"})
-    t = time.time()
+    t = time.perf_counter()
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             status, text = r.status, r.read().decode(errors="replace")
@@ -395,7 +396,7 @@ def probe(port: int, endpoint: str, timeout_s: float = 120.0) -> dict:
         status, text = e.code, e.read().decode(errors="replace")
     except Exception as e:  # refused, reset, timed out
         status, text = None, f"{type(e).__name__}: {e}"
-    return {"status": status, "body": text[:2000], "seconds": round(time.time() - t, 3)}
+    return {"status": status, "body": text[:2000], "seconds": round(time.perf_counter() - t, 5)}
 
 
 def all_failed(res: dict) -> str | None:
@@ -446,8 +447,8 @@ def log_service_errors() -> None:
     log(f"service errors:\n{service_errors()}")
 
 
-def _ratio_text(x) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
+def _ratio_text(x, unit: str = "") -> str:
+    return "n/a" if x is None else f"{x:.2f}{unit}"
 
 
 def _median(xs):
@@ -518,7 +519,7 @@ def table(summary: dict) -> str:
             lines.append(f"{ep:<12} {side:<6} {m['output_tok_s']:>9.0f} {m['request_s']:>7.2f} "
                          f"{m['ttft_p50_ms']:>7.0f}ms {m['ttft_p99_ms']:>7.0f}ms {m['tpot_p50_ms']:>7.1f}ms")
         for prefix, what in (("", "Serve port"), ("direct_", "replica port")):
-            ratio = _ratio_text(s[prefix + "ratio"]) + ("x" if s[prefix + "ratio"] is not None else "")
+            ratio = _ratio_text(s[prefix + "ratio"], "x")
             lines.append(f"{ep:<12} {'ratio':<6} {ratio:>10}  ({what} / vLLM output tok/s, runs "
                          + ", ".join(f"{r:.2f}" for r in s[prefix + "ratio_runs"]) + ")")
     return "\n".join(lines)

@@ -21,7 +21,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,15 +33,10 @@ CASES = [(stream, tokens) for stream in (False, True) for tokens in (1, 16)]
 
 
 def request_ms(port: int, stream: bool, max_tokens: int) -> float:
-    body = {"model": rv.WORKLOAD["model_name"], "prompt": "1 2 3 4 5 6", "max_tokens": max_tokens, "stream": stream}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    t = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=60) as r:
-        r.read()
-        if r.status != 200:
-            raise RuntimeError(f"status {r.status} from :{port}")
-    return (time.perf_counter() - t) * 1e3
+    r = rv.probe(port, "completions", timeout_s=60, max_tokens=max_tokens, stream=stream)
+    if r["status"] != 200:
+        raise RuntimeError(f"status {r['status']} from :{port}: {r['body'][:300]}")
+    return r["seconds"] * 1e3
 
 
 def main() -> int:
