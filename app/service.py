@@ -14,6 +14,8 @@ logger = logging.getLogger("app")
 
 # Apps a finished run left serving, with their registry: a named actor dies with its last handle.
 _SERVING: dict = {}
+# The REST front of each app (rollout.front_port): an HAProxy child of this process, ended with its app.
+_FRONTS: dict = {}
 
 
 def start_rollout_service(cfg: Config, registry, verbose: bool = False, last_step: int = 0):
@@ -34,7 +36,27 @@ def start_rollout_service(cfg: Config, registry, verbose: bool = False, last_ste
     ingress = start_service(cfg, registry=registry, logging_config=logging_config,
                             wait_running=partial(wait_service_running, cfg, last_step=last_step))
     wait_healthy(ingress)
+    start_front(cfg, ingress)
     return ingress
+
+
+def start_front(cfg: Config, ingress):
+    """The app's REST front when rollout.front_port is set (serve_deployments/rest_front.py); its URL is
+    logged. A front already up for the app (a resumed run) is replaced."""
+    from serve_deployments.rest_front import start_front as _start
+
+    stop_front(cfg.rollout.app_name)
+    watch = _start(cfg, ingress)
+    if watch is not None:
+        _FRONTS[cfg.rollout.app_name] = watch
+        logger.info("REST front on %s (generation straight to the replicas' ports)", watch.front.url)
+    return watch
+
+
+def stop_front(app_name: str) -> None:
+    watch = _FRONTS.pop(app_name, None)
+    if watch is not None:
+        watch.stop()
 
 
 def keep_service(app_name: str, registry) -> None:
@@ -48,6 +70,7 @@ def delete_service(app_name: str, registry) -> None:
 
     from common.ray_utils import kill_actor
 
+    stop_front(app_name)
     try:
         serve.delete(app_name)
     except Exception as e:  # teardown must reach the registry even if Serve is gone
@@ -60,6 +83,7 @@ def stop_serving(app_name: str) -> None:
     import ray
     from ray import serve
 
+    stop_front(app_name)
     serve.delete(app_name)
     registry = _SERVING.pop(app_name, None)
     if registry is not None:
@@ -91,6 +115,9 @@ def serve_policy(cfg: Config, payload: tuple[dict, dict] | None, adapter_dir: st
     direct = [s["http_url"] for s in handle.stats.remote().result()["replicas"] if s.get("http_url")]
     if direct:  # rollout.replica_http_port
         print(f"each replica also on its own port (no routing): {', '.join(direct)}", flush=True)
+    front = start_front(cfg, handle)
+    if front is not None:
+        print(f"REST front (routed, straight to the replicas' ports): {front.front.url}", flush=True)
     # SIGTERM (docker stop, Kubernetes, a background job) stops it like Ctrl-C: app deleted, Ray shut down.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -99,5 +126,6 @@ def serve_policy(cfg: Config, payload: tuple[dict, dict] | None, adapter_dir: st
     except KeyboardInterrupt:
         print("stopping", flush=True)
     finally:
+        stop_front(cfg.rollout.app_name)
         serve.delete(cfg.rollout.app_name)
         ray.shutdown()

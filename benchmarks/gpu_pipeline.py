@@ -21,9 +21,10 @@ Phases (each in its own processes, so each starts with a clean GPU):
   latency, async over sync. On one GPU the trainer and the replica share it (recipes/gpu-1x.yaml, the keys
   end in `_1gpu`); on two, one trains and one serves (recipes/gpu-2x.yaml, `_2gpu`).
 
-- rest: benchmarks/rest_vs_vllm.py on this GPU (our REST through the Serve port and through the replica's own
-  port, against vLLM's own server, each engine 0.4 of the GPU): `rest_vs_vllm_serve` and
-  `rest_vs_vllm_serve_replica_port`; its JSON and plot land beside this one as rest_vs_vllm_gpu.*.
+- rest: benchmarks/rest_vs_vllm.py on this GPU (our REST through the Serve port and through the REST front,
+  rollout.front_port: HAProxy to the replica's own port; against vLLM's own server, each engine 0.4 of the
+  GPU): `rest_vs_vllm_serve` and `rest_vs_vllm_front`; its JSON and plot land beside this one as
+  rest_vs_vllm_gpu.*.
 
 Writes OUT/gpu_pipeline.json (the goal keys at top level; a goal not measured is null with the reason
 under `not_measured`; each phase's UTC time under `measured_at`, so one sitting can be told from several)
@@ -57,7 +58,7 @@ GOALS = {"step_seconds_1gpu_p50": ("<=", 4.0), "step_seconds_1gpu_mean": ("<=", 
          "trainer_vs_peft": (">=", 2.0), "rollout_vs_bare_vllm": (">=", 0.95),
          "lora_vs_base_decode": (">=", 0.85), "publish_to_served_p50_s": ("<=", 0.15),
          "async_vs_sync_1gpu": (">=", 1.3), "rest_vs_vllm_serve": (">=", 0.9),
-         "rest_vs_vllm_serve_replica_port": (">=", 0.9)}
+         "rest_vs_vllm_front": (">=", 0.9)}
 SMOKE = {"shape": "tiny", "prompts_per_step": 2, "group_size": 4, "prompt_tokens": 16, "new_tokens": 16}
 if os.environ.get("GPU_PIPELINE_SMOKE") == "1":  # --smoke, inherited by the phases' child processes
     WORKLOAD.update(SMOKE)
@@ -721,7 +722,9 @@ def phase_rest(args, work: Path, model: Path, out: Path) -> dict:
         return res
     rest = json.loads(f.read_text())
     key = f"rest_vs_vllm_serve_{device}"
-    return {"rest_vs_vllm_serve": rest[key], "rest_vs_vllm_serve_replica_port": rest[f"{key}_replica_port"],
+    return {"rest_vs_vllm_serve": rest[key], "rest_vs_vllm_front": rest.get(f"{key}_front"),
+            **({"rest_vs_vllm_serve_replica_port": rest[f"{key}_replica_port"]} if f"{key}_replica_port" in rest
+               else {}),
             "rest": {"json": f.name, "command": " ".join(["python", *cmd[1:]]),
                      "endpoints": {ep: {k: v for k, v in e.items() if "ratio" in k}
                                    for ep, e in rest["endpoints"].items()}}}
@@ -743,7 +746,7 @@ def finish(doc: dict, gpus: int, out: Path) -> dict:
     reasons = {"step_seconds_1gpu_p50": pipe, "step_seconds_1gpu_mean": pipe, "async_vs_sync_1gpu": pipe,
                "publish_to_served_p50_s": pipe,
                "rest_vs_vllm_serve": "the rest phase was not run",
-               "rest_vs_vllm_serve_replica_port": "the rest phase was not run"}
+               "rest_vs_vllm_front": "the rest phase was not run"}
     generic = {no_gpu, pipe, other, *reasons.values()}  # a reason written by hand into the JSON stays
     doc.setdefault("not_measured", {})
     for k in GOALS:

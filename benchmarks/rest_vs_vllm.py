@@ -70,8 +70,13 @@ WORKLOAD = {"input_len": 48, "output_len": 32, "concurrency": 16, "requests": 16
             "dataset": "random", "streaming": True, "ignore_eos": True, "model_name": "policy-v1"}
 SMOKE = {"requests": 32, "rounds": 2}
 ENDPOINTS = {"completions": ("openai", "/v1/completions"), "chat": ("openai-chat", "/v1/chat/completions")}
-SIDES = ("rest", "direct", "vllm")
-SIDE_LABELS = {"rest": "our REST (Serve port)", "direct": "our REST (replica port)", "vllm": "vLLM api_server"}
+SIDES = ("rest", "front", "vllm")  # --sides picks ours; vllm always last
+SIDE_LABELS = {"rest": "our REST (Serve port)", "front": "our REST front (HAProxy -> replica port)",
+               "direct": "our REST (replica port)", "vllm": "vLLM api_server"}
+# A side's ratio keys: "{prefix}ratio" in a summary, "rest_vs_vllm_serve_{device}{suffix}" in the document.
+PREFIX = {"rest": "", "front": "front_", "direct": "direct_"}
+SUFFIX = {"rest": "", "front": "_front", "direct": "_replica_port"}
+WHERE = {"rest": "Serve port", "front": "REST front", "direct": "replica port"}
 GOAL = 0.9
 # The Serve processes of our side whose CPU time a pass records (Ray titles them ray::NAME).
 REST_PROCS = {"proxy": "ProxyActor", "ingress": "ServeReplica:policy:Ingress",
@@ -239,11 +244,13 @@ class VllmServer:
         self._log.close()
 
 
-def start_rest(cfg, payload, before_deploy=None, progress=log, direct_ingress: bool = False) -> tuple[dict, object]:
+def start_rest(cfg, payload, before_deploy=None, progress=log, direct_ingress: bool = False,
+               front: bool = False) -> tuple[dict, tuple]:
     """Our service on cfg.rollout.http_port, policy-v1 published before the app starts; waits until healthy
     (its reason to `progress` every ~30 s while not). `before_deploy()`, when given, runs after Ray is up and
     before the app (and so its engine) starts. Returns the ports ("rest": the service's, "direct": the
-    replica's own REST port) and the registry's handle, which the caller holds while it serves: the registry
+    replica's own REST port, "front": the REST front's when `front`) and what the caller holds while it serves
+    (the registry's handle, the front or None): the registry
     dies with its owner's last handle, and then no request can be served (on the H200, 2026-12-04, every
     request of three sittings failed so).
 
@@ -276,7 +283,20 @@ def start_rest(cfg, payload, before_deploy=None, progress=log, direct_ingress: b
     progress("our service: deployed; waiting for its health (every replica up, holding policy-v1)")
     wait_healthy(handle, log=progress)
     replica_port = int(handle.stats.remote().result()["replicas"][0]["http_url"].rsplit(":", 1)[1].split("/")[0])
-    return {"rest": ingress_port or cfg.rollout.http_port, "direct": replica_port}, registry
+    ports = {"rest": ingress_port or cfg.rollout.http_port, "direct": replica_port}
+    watch = None
+    if front:
+        from serve_deployments.rest_front import start_front
+
+        cfg.rollout.front_port = 0
+        try:
+            watch = start_front(cfg, handle)
+        except (OSError, RuntimeError) as e:  # no HAProxy here: the other sides are still worth measuring
+            progress(f"our REST front did not start, measured without it: {type(e).__name__}: {e}")
+        else:
+            ports["front"] = watch.front.port
+            progress(f"our REST front: HAProxy on :{ports['front']} -> replica port :{replica_port}")
+    return ports, (registry, watch)
 
 
 def _jsonable(x):
@@ -348,10 +368,10 @@ def run_client(argv: list[str], log_file) -> dict:
         return asyncio.run(main_async(args))
 
 
-def side_pids(side: str, server: VllmServer) -> dict[str, int]:
+def side_pids(side: str, server: VllmServer, front_pid: int | None = None) -> dict[str, int]:
     if side == "vllm":
         return {"server": server.proc.pid}
-    out = {}
+    out = {"haproxy": front_pid} if side == "front" and front_pid else {}
     for name, title in REST_PROCS.items() if side == "rest" else [("replica", REST_PROCS["replica"])]:
         pids = descendant_pids(title)
         if pids:
@@ -360,8 +380,8 @@ def side_pids(side: str, server: VllmServer) -> dict[str, int]:
 
 
 def one_pass(side: str, endpoint: str, ports: dict, server: VllmServer, model: Path, requests: int, seed: int,
-             log_file) -> dict:
-    pids = side_pids(side, server)
+             log_file, front_pid: int | None = None) -> dict:
+    pids = side_pids(side, server, front_pid)
     before = {name: process_tree_cpu_s([pid]) for name, pid in pids.items()}
     client0 = time.process_time()
     res = run_client(client_argv(endpoint, ports[side], model, requests, seed), log_file)
@@ -474,7 +494,8 @@ def summarize(rounds: list[dict]) -> dict:
                 name: _median([x["cpu_ms_per_request"].get(name) for x in runs])
                 for name in runs[0]["cpu_ms_per_request"]}
         out[ep] = sides
-        for side, prefix in (("rest", ""), ("direct", "direct_")):
+        for side in SIDES[:-1]:
+            prefix = PREFIX[side]
             ratios = [r[ep][side]["output_tok_s"] / r[ep]["vllm"]["output_tok_s"] for r in measured
                       if r[ep][side]["output_tok_s"] and r[ep]["vllm"]["output_tok_s"]]
             ttft = [r[ep][side]["ttft_p50_ms"] / r[ep]["vllm"]["ttft_p50_ms"] for r in measured
@@ -518,7 +539,8 @@ def table(summary: dict) -> str:
             m = {k: v or 0 for k, v in s[side].items()}
             lines.append(f"{ep:<12} {side:<6} {m['output_tok_s']:>9.0f} {m['request_s']:>7.2f} "
                          f"{m['ttft_p50_ms']:>7.0f}ms {m['ttft_p99_ms']:>7.0f}ms {m['tpot_p50_ms']:>7.1f}ms")
-        for prefix, what in (("", "Serve port"), ("direct_", "replica port")):
+        for side in SIDES[:-1]:
+            prefix, what = PREFIX[side], WHERE[side]
             ratio = _ratio_text(s[prefix + "ratio"], "x")
             lines.append(f"{ep:<12} {'ratio':<6} {ratio:>10}  ({what} / vLLM output tok/s, runs "
                          + ", ".join(f"{r:.2f}" for r in s[prefix + "ratio_runs"]) + ")")
@@ -537,16 +559,18 @@ def plot(doc: dict, path: Path) -> None:
                            (axes[1], "ttft_p50_ms", "TTFT p50, ms (lower is better)")):
         for j, side in enumerate(SIDES):
             vals = [doc["endpoints"][ep][side][key] or 0 for ep in eps]
-            bars = ax.bar([i + (j - 1) * 0.27 for i in range(len(eps))], vals, 0.27, label=SIDE_LABELS[side])
+            bars = ax.bar([i + (j - (len(SIDES) - 1) / 2) * 0.27 for i in range(len(eps))], vals, 0.27,
+                          label=SIDE_LABELS[side])
             for b, v in zip(bars, vals):
                 ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(range(len(eps)), [f"{ep}\nServe port {doc['endpoints'][ep]['ratio']:.2f}x, replica port "
-                                        f"{doc['endpoints'][ep]['direct_ratio']:.2f}x" if key == "output_tok_s"
-                                        else ep for ep in eps])
+        ax.set_xticks(range(len(eps)), [f"{ep}\n" + ", ".join(
+            f"{WHERE[side]} {_ratio_text(doc['endpoints'][ep][PREFIX[side] + 'ratio'], 'x')}" for side in SIDES[:-1])
+            if key == "output_tok_s" else ep for ep in eps])
         ax.set_title(label, fontsize=9)
         ax.legend(fontsize=8)
     key = next(k for k in doc if k.startswith("rest_vs_vllm_serve_"))
-    fig.suptitle(f"{key} = {doc[key]:.2f}, replica port {doc[key + '_replica_port']:.2f} (goal >= {GOAL}); "
+    fig.suptitle(", ".join(f"{WHERE[side]} {_ratio_text(doc.get(key + SUFFIX[side]), 'x')}" for side in SIDES[:-1])
+                 + f" of vLLM (goal >= {GOAL}); "
                  f"{doc['workload']['requests']} requests, "
                  f"{doc['workload']['concurrency']} concurrent, {doc['workload']['input_len']} in / "
                  f"{doc['workload']['output_len']} out tokens, streaming", fontsize=9)
@@ -567,6 +591,7 @@ def _exit_on_sigterm(signum, frame):
 
 
 def main(argv=None) -> int:
+    global SIDES  # --sides: the module's functions read it
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help=f"fast check: {SMOKE}")
@@ -575,12 +600,19 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default=None, help="model shape (default tiny on CPU, qwen2.5-1.5b on a GPU)")
     p.add_argument("--work", default=None, help="model, adapter and logs (default: a temp dir)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--sides", default=",".join(SIDES[:-1]),
+                   help="our sides, each measured against vLLM's server: rest (the Serve port), front (the REST front, "
+                        "rollout.front_port), direct (the replica's own port); default %(default)s")
     p.add_argument("--direct-ingress", action="store_true",
                    help="Ray Serve's experimental direct ingress: the Ingress replica serves HTTP itself, no proxy hop")
     p.add_argument("--start-order", choices=list(START_ORDERS), default=None,
                    help="how the two servers start: " + "; ".join(f"{k}: {v}" for k, v in START_ORDERS.items())
                    + " (default after-kv on a GPU, together on CPU)")
     args = p.parse_args(argv)
+    ours = [x.strip() for x in args.sides.split(",") if x.strip() and x.strip() != "vllm"]
+    if not ours or set(ours) - set(PREFIX):
+        p.error(f"--sides: choose from {', '.join(PREFIX)}, got {args.sides!r}")
+    SIDES = (*ours, "vllm")
     w = WORKLOAD
     if args.smoke:
         w.update(SMOKE)
@@ -615,7 +647,7 @@ def main(argv=None) -> int:
     starts = progress.starts
     starts["start_order"] = start_order
     rounds = progress.rounds
-    server = None
+    server = front_watch = None
     try:
         server = VllmServer(cfg, adapter, work / "vllm_server.log", on_event=progress.stage,
                             log_kv=start_order == "after-kv")
@@ -639,12 +671,17 @@ def main(argv=None) -> int:
             if server.error is not None:  # no use waiting on ours (wait_healthy says why every ~30 s)
                 raise server.error
 
-        ports, registry = start_rest(cfg, (tensors, meta), before_deploy=before_deploy, progress=rest_progress,
-                                     direct_ingress=args.direct_ingress)  # held until main returns
+        ports, held = start_rest(cfg, (tensors, meta), before_deploy=before_deploy, progress=rest_progress,
+                                 direct_ingress=args.direct_ingress, front="front" in SIDES)  # held until main returns
+        front_watch = held[1]
+        front_pid = front_watch.front._proc.pid if front_watch else None
+        if "front" in SIDES and front_watch is None:
+            SIDES = tuple(x for x in SIDES if x != "front")
+            passes = progress.passes = w["rounds"] * len(ENDPOINTS) * len(SIDES)
         starts["rest_s"] = time.time() - t0
         ports["vllm"] = server.port
         progress.stage(f"REST service healthy on :{ports['rest']} ({starts['rest_s']:.0f}s after launch); "
-                       f"replica port :{ports['direct']}"
+                       f"replica port :{ports['direct']}" + (f", front :{ports['front']}" if "front" in ports else "")
                        + ("" if server.ready_s else "; waiting for vLLM's api_server"))
         server.wait_ready()
         starts["vllm_s"] = server.ready_s
@@ -668,7 +705,8 @@ def main(argv=None) -> int:
                     for side in order:
                         what = f"round {r + 1}/{w['rounds']}{' (warm-up)' if r == 0 else ''} {ep:<11} {side:<6}"
                         progress.stage(f"{what}: pass {progress.passes_done() + 1}/{passes} ...")
-                        res = one_pass(side, ep, ports, server, model, w["requests"], seed=r, log_file=client_log)
+                        res = one_pass(side, ep, ports, server, model, w["requests"], seed=r, log_file=client_log,
+                                       front_pid=front_pid)
                         row[ep][side] = res
                         progress.stage(f"{what}: {res['output_tok_s'] or 0:6.0f} tok/s, TTFT p50 "
                                        f"{res['ttft_p50_ms'] or 0:5.0f} ms, {res['completed']}/{w['requests']} ok")
@@ -686,6 +724,8 @@ def main(argv=None) -> int:
 
         if server is not None:
             server.close()
+        if front_watch is not None:
+            front_watch.stop()
         if ray.is_initialized():
             with contextlib.suppress(Exception):
                 serve.shutdown()
@@ -695,16 +735,18 @@ def main(argv=None) -> int:
 
     summary = summarize(rounds)
     key = f"rest_vs_vllm_serve_{device}"
-    worst = min(ENDPOINTS, key=lambda ep: summary[ep]["ratio"] if summary[ep]["ratio"] is not None else -1)
-    worst_direct = min(ENDPOINTS, key=lambda ep: summary[ep]["direct_ratio"] or -1)
-    doc = {
-        key: summary[worst]["ratio"],
-        f"{key}_is": f"the lower of the completions and chat ratios ({worst}): REST through the Serve port "
-                     "(proxy -> Ingress -> replica) / vLLM output tok/s",
-        f"{key}_replica_port": summary[worst_direct]["direct_ratio"],
-        f"{key}_replica_port_is": f"the same through the replica's own REST port ({worst_direct})",
-        "goal": f">= {GOAL}", "met": summary[worst]["ratio"] is not None and summary[worst]["ratio"] >= GOAL,
-        "met_replica_port": (summary[worst_direct]["direct_ratio"] or 0) >= GOAL,
+    how = {"rest": "REST through the Serve port (proxy -> Ingress -> replica)",
+           "front": "REST through the front (rollout.front_port: HAProxy -> the replica's own port)",
+           "direct": "REST through the replica's own port"}
+    doc = {"goal": f">= {GOAL}"}
+    for side in SIDES[:-1]:
+        r = PREFIX[side] + "ratio"
+        worst = min(ENDPOINTS, key=lambda ep: summary[ep][r] if summary[ep][r] is not None else -1)
+        doc[key + SUFFIX[side]] = summary[worst][r]
+        doc[key + SUFFIX[side] + "_is"] = (f"the lower of the completions and chat ratios ({worst}): {how[side]} "
+                                           "/ vLLM output tok/s")
+        doc["met" + SUFFIX[side]] = summary[worst][r] is not None and summary[worst][r] >= GOAL
+    doc |= {
         "endpoints": summary, "rounds": rounds,
         "method": f"both servers alive, passes interleaved A B B A over {w['rounds']} rounds (the first a warm-up), "
                   "one endpoint at a time; a ratio is the median over the measured rounds of REST / vLLM within "
@@ -732,8 +774,8 @@ def main(argv=None) -> int:
     except Exception as e:  # a missing matplotlib must not lose the numbers
         log(f"plot failed: {e}")
     print(table(summary))
-    log(f"{key} = {_ratio_text(doc[key])}, replica port {_ratio_text(doc[key + '_replica_port'])} (goal >= {GOAL}); "
-        f"wrote {f} and {f.with_suffix('.png').name}")
+    log(", ".join(f"{key}{SUFFIX[side]} = {_ratio_text(doc[key + SUFFIX[side]])}" for side in SIDES[:-1])
+        + f" (goal >= {GOAL}); wrote {f} and {f.with_suffix('.png').name}")
     return 0
 
 

@@ -348,6 +348,11 @@ class RolloutConfig:
               "the next free one for a second replica of the node (0: any free port; null: off). No routing and no "
               "Serve hops: a client of one replica's port gets that replica at the speed of vLLM's own server. The "
               "URLs are in the service's stats (`replicas[].http_url`) and printed by `app serve`.")
+    front_port: int | None = _field(
+        None, "The REST front: HAProxy on this port (0: any free one; null: off) sends the generation routes straight "
+              "to a replica's own port (needs rollout.replica_http_port), chosen by a consistent hash of the model "
+              "and the prompt's head with bounded load, and every other route to Serve's http_port. vLLM's speed "
+              "with routing kept (serve_deployments/rest_front.py); `app serve` prints its URL.")
     tool_parser: str | None = _field(
         "hermes", "vLLM tool parser for REST chat completions with `tools` and tool_choice auto (a name vLLM's "
                   "ToolParserManager knows: hermes for the Qwen/Hermes <tool_call> format); it also reads back "
@@ -367,6 +372,16 @@ class RolloutConfig:
             (1 <= self.http_port <= 65535, "rollout.http_port: must be a TCP port"),
             (self.replica_http_port is None or 0 <= self.replica_http_port <= 65535,
              f"rollout.replica_http_port: must be a TCP port, 0 (any) or null (off), got {self.replica_http_port}"),
+            (self.front_port is None or 0 <= self.front_port <= 65535,
+             f"rollout.front_port: must be a TCP port, 0 (any) or null (off), got {self.front_port}"),
+            (self.front_port is None or self.replica_http_port is not None,
+             "rollout.front_port: the front forwards to the replicas' own ports; set rollout.replica_http_port "
+             "(0: any free port)"),
+            (self.front_port is None or self.front_port == 0 or self.front_port != self.http_port,
+             f"rollout.front_port: {self.front_port} is Serve's rollout.http_port; the front needs its own port"),
+            (self.front_port is None or self.proxy_location != "Disabled",
+             "rollout.front_port: the front sends every route but generation to Serve's proxy; "
+             "rollout.proxy_location must not be Disabled"),
             (0 <= self.stream_interval_ms <= 1000,
              f"rollout.stream_interval_ms: must be in [0, 1000], got {self.stream_interval_ms}"),
             (self.max_body_bytes >= 1024, f"rollout.max_body_bytes: must be >= 1024, got {self.max_body_bytes}"),

@@ -43,7 +43,7 @@ def test_trainer_phase_and_report(tmp_path):
     # No GPU here: the pipeline phase is skipped and its goals say why instead of holding a number.
     for key in ("step_seconds_1gpu_p50", "step_seconds_1gpu_mean", "async_vs_sync_1gpu", "publish_to_served_p50_s"):
         assert doc[key] is None and "GPU" in doc["not_measured"][key]
-    for key in ("rest_vs_vllm_serve", "rest_vs_vllm_serve_replica_port"):
+    for key in ("rest_vs_vllm_serve", "rest_vs_vllm_front"):
         assert doc[key] is None and "rest phase" in doc["not_measured"][key]
     assert doc["goals"]["trainer_vs_peft"]["met"] == (doc["trainer_vs_peft"] >= 2.0)
     assert set(doc["measured_at"]) == {"trainer"}  # the phases that ran, each with its time
@@ -87,14 +87,14 @@ def test_dmon_summary_counts_only_busy_samples(tmp_path):
 
 
 @pytest.mark.bench
-def test_rest_phase_records_both_ports(tmp_path):
+def test_rest_phase_records_the_serve_port_and_the_front(tmp_path):
     """The rest phase on CPU: benchmarks/rest_vs_vllm.py --smoke as a child, its two ratios folded into the
     sitting's JSON beside the other goals, its own JSON beside it."""
     out, doc = _smoke_phase(tmp_path, "rest")
     rest = json.loads((out / "rest_vs_vllm_cpu.json").read_text())
     assert doc["rest_vs_vllm_serve"] == rest["rest_vs_vllm_serve_cpu"] > 0
-    assert doc["rest_vs_vllm_serve_replica_port"] == rest["rest_vs_vllm_serve_cpu_replica_port"] > 0
-    assert doc["goals"]["rest_vs_vllm_serve_replica_port"]["met"] == (doc["rest_vs_vllm_serve_replica_port"] >= 0.9)
+    assert doc["rest_vs_vllm_front"] == rest["rest_vs_vllm_serve_cpu_front"] > 0
+    assert doc["goals"]["rest_vs_vllm_front"]["met"] == (doc["rest_vs_vllm_front"] >= 0.9)
     assert set(doc["measured_at"]) == {"rest"} and "rest_vs_vllm.py" in doc["rest"]["command"]
 
 

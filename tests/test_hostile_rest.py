@@ -8,7 +8,9 @@ started the way `python -m app serve --adapter` starts it:
 - served-version proof: `model` is the exact version (policy-latest -> policy-vN, base -> base), the
   x-adapter-sha256 header is the registry's digest, and the rollout worker's check counts mismatches;
 - the replica's own REST port (rollout.replica_http_port, replica_http.py) refuses the same malformed requests
-  the same way, serves the same names and digests, and answers 429 over its own in-flight limit."""
+  the same way, serves the same names and digests, and answers 429 over its own in-flight limit;
+- the REST front (rollout.front_port, rest_front.py: HAProxy) refuses the same malformed requests the same way,
+  and streams what the replica streams."""
 from __future__ import annotations
 
 import asyncio
@@ -39,6 +41,7 @@ def svc(serve_env):
     from ray import serve
 
     from serve_deployments.app_builder import start_with_adapter, wait_healthy
+    from serve_deployments.rest_front import start_front
 
     retire_all(serve_env.registry)
     cfg = small_config(serve_env.model_dir, replicas=1, max_staleness=1, cpus_per_replica=1.0,
@@ -72,8 +75,11 @@ def svc(serve_env):
     finally:
         stop.set()
     direct = handle.stats.remote().result()["replicas"][0]["http_url"].removesuffix("/v1")
-    yield {"handle": handle, "url": url, "direct_url": direct, "v1": version, "sha1": payload[1]["sha256"],
-           "polls": polls, "cfg": cfg}
+    cfg.rollout.front_port = 0
+    front = start_front(cfg, handle)
+    yield {"handle": handle, "url": url, "direct_url": direct, "front_url": front.front.url.removesuffix("/v1"),
+           "v1": version, "sha1": payload[1]["sha256"], "polls": polls, "cfg": cfg}
+    front.stop()
     ray.get(serve_env.registry.attach_ingress.remote(None))
     serve.delete(APP)
     retire_all(serve_env.registry)
@@ -85,10 +91,12 @@ def client(svc):
         yield c
 
 
-@pytest.fixture(scope="module", params=["routed", "direct"])
+@pytest.fixture(scope="module", params=["routed", "direct", "front"])
 def endpoint(request, svc):
-    """(which, client): the Serve port through the ingress, or the replica's own port."""
-    with httpx.Client(base_url=svc["url" if request.param == "routed" else "direct_url"], timeout=60) as c:
+    """(which, client): the Serve port through the ingress, the replica's own port, or the REST front
+    (rollout.front_port: HAProxy to the replica's port for generation, to the Serve port for the rest)."""
+    key = {"routed": "url", "direct": "direct_url", "front": "front_url"}[request.param]
+    with httpx.Client(base_url=svc[key], timeout=60) as c:
         yield request.param, c
 
 
@@ -305,3 +313,30 @@ def test_replica_port_serves_the_same_names_digests_and_limits(serve_env, svc, c
     assert codes.count(200) >= 1 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
     with httpx.Client(base_url=svc["direct_url"], timeout=60) as direct:
         assert direct.post(C, json=GOOD).status_code == 200  # the limit freed
+
+
+def test_the_front_serves_every_route_and_streams_what_the_replica_streams(serve_env, svc, client):
+    """The REST front over the same app: generation reaches the replica's own port (one message per token,
+    the exact served name and digest), every other route answers as on the Serve port (/v1/models,
+    /health, /admin/stats with its token, 401 without)."""
+    import ray
+
+    reg = serve_env.registry
+    latest = ray.get(reg.latest_version.remote())
+    sha = ray.get(reg.get.remote(latest))["meta"]["sha256"]
+    with httpx.Client(base_url=svc["front_url"], timeout=60) as front:
+        assert front.get("/health").status_code == client.get("/health").status_code == 200
+        assert front.get("/v1/models").json() == client.get("/v1/models").json()
+        assert front.get("/admin/stats", headers=AUTH).status_code == 200
+        assert front.get("/admin/stats").status_code == 401
+        for path, body in ((C, GOOD), (CH, GOOD_CHAT)):
+            r = front.post(path, json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == f"policy-v{latest}" and r.headers["x-adapter-sha256"] == sha
+        with front.stream("POST", C, json={**GOOD, "stream": True, "max_tokens": 6, "ignore_eos": True}) as r:
+            assert r.status_code == 200 and r.headers["x-adapter-sha256"] == sha
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and len(lines) >= 6  # the replica's port: one message per token
+        with front.stream("POST", CH, json={**GOOD_CHAT, "stream": True, "max_tokens": 4}) as r:
+            assert r.status_code == 200
+            assert [ln for ln in r.iter_lines() if ln.startswith("data: ")][-1] == "data: [DONE]"

@@ -1,8 +1,8 @@
 """benchmarks/rest_vs_vllm.py --smoke: our REST endpoint (Ray Serve, one replica, policy-v1 through the
-registry), the same replica's own REST port, and vLLM's own api_server with the same engine arguments and
-adapter, each loaded in turn by vLLM's serving benchmark client, completions and chat, streaming. A `bench`
-test (a few minutes: two engines start): the script runs as a subprocess that starts and stops its own Ray
-and vLLM server."""
+registry), the REST front (HAProxy to the same replica's own port), and vLLM's own api_server with the same
+engine arguments and adapter, each loaded in turn by vLLM's serving benchmark client, completions and chat,
+streaming. A `bench` test (a few minutes: two engines start): the script runs as a subprocess that starts and
+stops its own Ray and vLLM server."""
 import json
 import os
 import subprocess
@@ -36,11 +36,11 @@ def test_smoke_measures_both_servers(tmp_path):
     assert 0 < starts["vllm_s"] <= starts["both_ready_s"] and 0 < starts["rest_s"] <= starts["both_ready_s"]
     w = doc["workload"]
     assert (w["input_len"], w["output_len"], w["concurrency"], w["rounds"]) == (48, 32, 16, 2)
-    assert len(doc["rounds"]) == 2 and doc["rounds"][0]["order"] == ["rest", "direct", "vllm"]
-    assert doc["rounds"][1]["order"] == ["vllm", "direct", "rest"]  # A B C C B A
+    assert len(doc["rounds"]) == 2 and doc["rounds"][0]["order"] == ["rest", "front", "vllm"]
+    assert doc["rounds"][1]["order"] == ["vllm", "front", "rest"]  # A B C C B A
     for ep in ("completions", "chat"):
         s = doc["endpoints"][ep]
-        for side in ("rest", "direct", "vllm"):
+        for side in ("rest", "front", "vllm"):
             for r in doc["rounds"]:
                 run = r[ep][side]
                 assert run["completed"] == w["requests"] and not run["failed"], run
@@ -48,15 +48,15 @@ def test_smoke_measures_both_servers(tmp_path):
                 assert run["cpu_ms_per_request"]["client"] > 0
             assert all(s[side][k] > 0 for k in METRICS), s[side]
         assert set(doc["rounds"][0][ep]["rest"]["cpu_ms_per_request"]) >= {"proxy", "ingress", "replica"}
-        assert set(doc["rounds"][0][ep]["direct"]["cpu_ms_per_request"]) == {"replica", "client"}
+        assert set(doc["rounds"][0][ep]["front"]["cpu_ms_per_request"]) == {"haproxy", "replica", "client"}
         assert len(s["ratio_runs"]) == 1  # the first round warms up
         assert s["ratio"] == s["ratio_runs"][0] == s["rest"]["output_tok_s"] / s["vllm"]["output_tok_s"]
-        assert s["direct_ratio"] == s["direct"]["output_tok_s"] / s["vllm"]["output_tok_s"]
+        assert s["front_ratio"] == s["front"]["output_tok_s"] / s["vllm"]["output_tok_s"]
     ratios = [doc["endpoints"][ep]["ratio"] for ep in ("completions", "chat")]
     assert doc["rest_vs_vllm_serve_cpu"] == min(ratios) and "lower" in doc["rest_vs_vllm_serve_cpu_is"]
     assert doc["met"] == (min(ratios) >= 0.9)
-    direct = [doc["endpoints"][ep]["direct_ratio"] for ep in ("completions", "chat")]
-    assert doc["rest_vs_vllm_serve_cpu_replica_port"] == min(direct) and doc["met_replica_port"] == (min(direct) >= 0.9)
+    front = [doc["endpoints"][ep]["front_ratio"] for ep in ("completions", "chat")]
+    assert doc["rest_vs_vllm_serve_cpu_front"] == min(front) and doc["met_front"] == (min(front) >= 0.9)
     kw = doc["settings"]["engine_kwargs"]
     cmd = doc["settings"]["vllm_server_cmd"]
     assert kw["enable_lora"] and f"--max-lora-rank={kw['max_lora_rank']}" in "=".join(cmd)
@@ -125,7 +125,7 @@ def test_partial_document_has_the_passes_done_and_why(tmp_path, capsys):
     assert doc["command"].endswith("--smoke") and doc["stages"][0]["what"] == "starting"
     assert "starting" in capsys.readouterr().out  # and printed, with its time
     progress.starts["vllm_s"] = 30.0
-    row = {"order": ["rest", "direct", "vllm"], "completions": {"rest": {"output_tok_s": 600.0}}}
+    row = {"order": ["rest", "front", "vllm"], "completions": {"rest": {"output_tok_s": 600.0}}}
     progress.rounds.append(row)
     progress.stage("round 1/2 (warm-up) completions rest  : 600 tok/s")
     doc = json.loads(path.read_text())
