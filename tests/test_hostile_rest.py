@@ -41,7 +41,7 @@ def svc(serve_env):
     from ray import serve
 
     from serve_deployments.app_builder import start_with_adapter, wait_healthy
-    from serve_deployments.rest_front import start_front
+    from app.service import start_front, stop_front
 
     retire_all(serve_env.registry)
     cfg = small_config(serve_env.model_dir, replicas=1, max_staleness=1, cpus_per_replica=1.0,
@@ -79,7 +79,8 @@ def svc(serve_env):
     front = start_front(cfg, handle)
     yield {"handle": handle, "url": url, "direct_url": direct, "front_url": front.front.url.removesuffix("/v1"),
            "v1": version, "sha1": payload[1]["sha256"], "polls": polls, "cfg": cfg}
-    front.stop()
+    stop_front(APP)
+    assert front.front._proc is None  # the app's front ended with it
     ray.get(serve_env.registry.attach_ingress.remote(None))
     serve.delete(APP)
     retire_all(serve_env.registry)
