@@ -95,6 +95,9 @@ defaults
     timeout http-request 60s
     timeout http-keep-alive 60s
     option http-buffer-request
+    # Streams are interactive: without it HAProxy sends with MSG_MORE and the kernel holds small chunks,
+    # measured as a 190 ms TTFT against 80 ms and the tokens arriving in one burst (2-core CPU).
+    option http-no-delay
     retries 2
     option redispatch
     retry-on conn-failure
@@ -132,6 +135,8 @@ def replica_targets(stats: dict) -> list[tuple[str, int]]:
 
 
 def _die_with_parent() -> None:
+    # Linux sends it when the thread that started HAProxy ends, not the process: start fronts from a thread
+    # that lives as long as the app (the main thread in `app serve` and a run's driver).
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 

@@ -40,8 +40,8 @@ def svc(serve_env):
     import ray
     from ray import serve
 
-    from serve_deployments.app_builder import start_with_adapter, wait_healthy
     from app.service import start_front, stop_front
+    from serve_deployments.app_builder import start_with_adapter, wait_healthy
 
     retire_all(serve_env.registry)
     cfg = small_config(serve_env.model_dir, replicas=1, max_staleness=1, cpus_per_replica=1.0,

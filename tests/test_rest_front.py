@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -25,9 +26,23 @@ def _port() -> int:
 
 
 class _Named(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
     def _answer(self):
         n = int(self.headers.get("content-length") or 0)
         body = self.rfile.read(n) if n else b""
+        if b'"stream":true' in body.replace(b" ", b""):  # SSE: an event every 100 ms, as tokens stream
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            for i in range(6):
+                event = f"data: {i}\n\n".encode()
+                self.wfile.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
+                self.wfile.flush()
+                time.sleep(0.1)
+            self.wfile.write(b"0\r\n\r\n")
+            return
         out = json.dumps({"server": self.server.name, "path": self.path, "body": body.decode()}).encode()
         self.send_response(200)
         self.send_header("content-type", "application/json")
@@ -109,8 +124,6 @@ def test_a_dead_replica_is_routed_around_and_a_reload_brings_a_new_one(front, ba
     try:
         assert front.update([_target(backends["r1"]), _target(r2)])
         assert not front.update([_target(r2), _target(backends["r1"])])  # same set: no reload
-        import time
-
         deadline, got = time.monotonic() + 10, set()
         with httpx.Client(base_url=url, timeout=10) as c:
             while got != {"r1", "r2"} and time.monotonic() < deadline:
@@ -165,3 +178,14 @@ def test_bad_front_settings_are_refused_naming_the_key(sets, needle):
 
     with pytest.raises(ConfigError, match=needle):
         C.load("recipes/tiny-cpu.yaml", sets)
+
+
+def test_a_stream_arrives_as_it_is_written(front):
+    """Each event reaches the client when the replica writes it (HAProxy's http-no-delay): without it the
+    kernel held the small chunks and a stream's tokens arrived in one burst at its end."""
+    with httpx.Client(base_url=f"http://127.0.0.1:{front.port}", timeout=10) as c:
+        with c.stream("POST", "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}) as r:
+            t0 = time.perf_counter()
+            arrivals = [time.perf_counter() - t0 for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert len(arrivals) == 6
+    assert arrivals[0] < 0.08 and arrivals[-1] - arrivals[0] > 0.4, arrivals  # written 100 ms apart
