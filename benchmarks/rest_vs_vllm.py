@@ -563,11 +563,12 @@ def plot(doc: dict, path: Path) -> None:
                           label=SIDE_LABELS[side])
             for b, v in zip(bars, vals):
                 ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(range(len(eps)), [f"{ep}\n" + ", ".join(
+        ax.set_xticks(range(len(eps)), [f"{ep}\n" + "\n".join(
             f"{WHERE[side]} {_ratio_text(doc['endpoints'][ep][PREFIX[side] + 'ratio'], 'x')}" for side in SIDES[:-1])
             if key == "output_tok_s" else ep for ep in eps])
         ax.set_title(label, fontsize=9)
-        ax.legend(fontsize=8)
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.35)  # room for the legend above the bars
+        ax.legend(fontsize=7, loc="upper left")
     key = next(k for k in doc if k.startswith("rest_vs_vllm_serve_"))
     fig.suptitle(", ".join(f"{WHERE[side]} {_ratio_text(doc.get(key + SUFFIX[side]), 'x')}" for side in SIDES[:-1])
                  + f" of vLLM (goal >= {GOAL}); "
