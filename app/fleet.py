@@ -69,6 +69,13 @@ def fleet_up(cfg: Config, name: str, slots: int, lease_s: float, admin_token: st
     from serve_deployments.app_builder import build_app, wait_healthy
     from serve_deployments.fleet_state import FleetState, digest, new_token
 
+    if cfg.rollout.front_port is not None:
+        from common.config import ConfigError
+
+        # The front is a child of the process that starts it, and `fleet up` returns while the fleet stays up.
+        raise ConfigError(["rollout.front_port: a fleet has no REST front yet (it would end when `fleet up` "
+                           "returns); clients can use the replicas' own ports (rollout.replica_http_port), "
+                           "listed by `fleet status`"])
     _join_cluster(address)
     app = fleet_app(name)
     try:

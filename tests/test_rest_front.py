@@ -189,3 +189,17 @@ def test_a_stream_arrives_as_it_is_written(front):
             arrivals = [time.perf_counter() - t0 for ln in r.iter_lines() if ln.startswith("data: ")]
     assert len(arrivals) == 6
     assert arrivals[0] < 0.08 and arrivals[-1] - arrivals[0] > 0.4, arrivals  # written 100 ms apart
+
+
+def test_a_fleet_refuses_a_front_before_it_starts_anything():
+    """`fleet up` returns while its fleet stays up, and a front lives with the process that started it: the
+    option is refused by name before Ray is joined (no Ray runs here, so nothing was started)."""
+    import ray
+
+    from app.fleet import fleet_up
+    from common import config as C
+
+    cfg = C.load("recipes/tiny-cpu.yaml", ["rollout.front_port=0", "rollout.replica_http_port=0"])
+    with pytest.raises(ConfigError, match="rollout.front_port: a fleet has no REST front yet"):
+        fleet_up(cfg, "f", slots=2, lease_s=30)
+    assert not ray.is_initialized()
