@@ -63,7 +63,8 @@ def e2e_run(tiny_model_dir, tmp_path_factory):
     port = free_port()
     cfg = C.load("recipes/tiny-cpu.yaml", [
         f"model.path={tiny_model_dir}", "model.build_tiny=false", f"run.out_dir={out}", "run.name=e2e",
-        f"train.total_steps={STEPS}", "checkpoint.every=8", f"rollout.http_port={port}"])
+        f"train.total_steps={STEPS}", "checkpoint.every=8", f"rollout.http_port={port}",
+        "rollout.replica_http_port=0", "rollout.front_port=0"])
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
                                        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600"}})
@@ -78,7 +79,11 @@ def e2e_run(tiny_model_dir, tmp_path_factory):
         registry = ray.get_actor("adapter-registry", namespace="lora_grpo")
         latest = ray.get(registry.latest_version.remote())
         yield cfg, summary, killer.killed, latest, out, port
+        from app.service import _FRONTS
+
+        front = _FRONTS.get(cfg.rollout.app_name)
         driver.stop_serving(cfg.rollout.app_name)
+        assert front is None or front.front._proc is None  # the run's front ends with its app
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -141,3 +146,21 @@ def test_endpoint_serves_policy_latest_equal_to_export(e2e_run, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     assert choice["text"] == tok.decode(want_ids, skip_special_tokens=True)
     assert max(abs(a - b) for a, b in zip(served_lp, want_lp)) < 1e-3
+
+
+def test_the_runs_rest_front_serves_what_the_serve_port_serves(e2e_run):
+    """rollout.front_port on a run: the driver started the front with the service; after the run it answers
+    the final policy under the same exact name and digest as the Serve port, and the same model list."""
+    from app.service import _FRONTS
+
+    cfg, summary, killed, latest, out, port = e2e_run
+    front = _FRONTS[cfg.rollout.app_name].front
+    serve_url = f"http://127.0.0.1:{port}/v1"
+    assert httpx.get(f"{front.url}/models", timeout=30).json() == httpx.get(f"{serve_url}/models", timeout=30).json()
+    body = {"model": "policy-latest", "prompt": "Say the letter K", "max_tokens": 4, "temperature": 0.0,
+            "ignore_eos": True}
+    a, b = (httpx.post(f"{u}/completions", json=body, timeout=60) for u in (serve_url, front.url))
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+    assert a.json()["model"] == b.json()["model"] == f"policy-v{latest}"
+    assert a.headers["x-adapter-sha256"] == b.headers["x-adapter-sha256"]
+    assert b.json()["usage"]["completion_tokens"] == 4
