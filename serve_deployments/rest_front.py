@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -176,22 +177,23 @@ class RestFront:
                                    f"({e.strerror}); pick a free port or 0 for any") from e
         self._write(replicas)
         self.replicas = list(replicas)
-        self._proc = subprocess.Popen([haproxy_binary(), "-W", "-db", "-f", str(self._cfg)],
-                                      stdout=subprocess.DEVNULL, stderr=open(self._dir / "haproxy.log", "ab"),
-                                      preexec_fn=_die_with_parent)
+        with open(self._dir / "haproxy.log", "ab") as err:  # the child keeps its own copy of the descriptor
+            self._proc = subprocess.Popen([haproxy_binary(), "-W", "-db", "-f", str(self._cfg)],
+                                          stdout=subprocess.DEVNULL, stderr=err, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"rollout.front_port {self.port}: HAProxy exited ({self._proc.returncode}): "
-                                   f"{self.log_tail()}")
+                why = f"rollout.front_port {self.port}: HAProxy exited ({self._proc.returncode}): {self.log_tail()}"
+                self.stop()
+                raise RuntimeError(why)
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
                 return self
             except OSError:
                 time.sleep(0.05)
+        why = f"rollout.front_port {self.port}: HAProxy did not listen within {timeout_s:.0f} s: {self.log_tail()}"
         self.stop()
-        raise RuntimeError(f"rollout.front_port {self.port}: HAProxy did not listen within {timeout_s:.0f} s: "
-                           f"{self.log_tail()}")
+        raise RuntimeError(why)
 
     def update(self, replicas: list[tuple[str, int]]) -> bool:
         """Reload with `replicas` if they changed; True when it reloaded."""
@@ -217,6 +219,7 @@ class RestFront:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class FrontWatch:
