@@ -71,7 +71,8 @@ WORKLOAD = {"input_len": 48, "output_len": 32, "concurrency": 16, "requests": 16
 SMOKE = {"requests": 32, "rounds": 2}
 ENDPOINTS = {"completions": ("openai", "/v1/completions"), "chat": ("openai-chat", "/v1/chat/completions")}
 SIDES = ("rest", "front", "vllm")  # --sides picks ours; vllm always last
-SIDE_LABELS = {"rest": "our REST (Serve port)", "front": "our REST front (HAProxy -> replica port)",
+SIDE_LABELS = {"rest": "our REST (Serve port: proxy -> Ingress -> replica)",
+               "front": "our REST front (HAProxy -> replica port)",
                "direct": "our REST (replica port)", "vllm": "vLLM api_server"}
 # A side's ratio keys: "{prefix}ratio" in a summary, "rest_vs_vllm_serve_{device}{suffix}" in the document.
 PREFIX = {"rest": "", "front": "front_", "direct": "direct_"}
@@ -736,16 +737,13 @@ def main(argv=None) -> int:
 
     summary = summarize(rounds)
     key = f"rest_vs_vllm_serve_{device}"
-    how = {"rest": "REST through the Serve port (proxy -> Ingress -> replica)",
-           "front": "REST through the front (rollout.front_port: HAProxy -> the replica's own port)",
-           "direct": "REST through the replica's own port"}
     doc = {"goal": f">= {GOAL}"}
     for side in SIDES[:-1]:
         r = PREFIX[side] + "ratio"
         worst = min(ENDPOINTS, key=lambda ep: summary[ep][r] if summary[ep][r] is not None else -1)
         doc[key + SUFFIX[side]] = summary[worst][r]
-        doc[key + SUFFIX[side] + "_is"] = (f"the lower of the completions and chat ratios ({worst}): {how[side]} "
-                                           "/ vLLM output tok/s")
+        doc[key + SUFFIX[side] + "_is"] = (f"the lower of the completions and chat ratios ({worst}): "
+                                           f"{SIDE_LABELS[side]} / vLLM output tok/s")
         doc["met" + SUFFIX[side]] = summary[worst][r] is not None and summary[worst][r] >= GOAL
     doc |= {
         "endpoints": summary, "rounds": rounds,

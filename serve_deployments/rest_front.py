@@ -142,7 +142,8 @@ def _die_with_parent() -> None:
 
 
 class RestFront:
-    """One HAProxy process serving `port`; `update` reloads it with new replicas, `stop` ends it."""
+    """One HAProxy process serving `port` (0: a free one, known after `start`); `update` reloads it with new
+    replicas, `stop` ends it."""
 
     def __init__(self, port: int, serve_port: int, host: str = "0.0.0.0", threads: int = 1):
         self.port, self.serve_port, self.host, self.threads = port, serve_port, host, threads
@@ -168,13 +169,14 @@ class RestFront:
         tmp.replace(self._cfg)
 
     def start(self, replicas: list[tuple[str, int]], timeout_s: float = 15.0) -> RestFront:
-        with socket.socket() as probe:  # HAProxy would report a taken port only in its log
+        with socket.socket() as probe:  # HAProxy would report a taken port only in its log; port 0 picks one
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((self.host, self.port))
             except OSError as e:
                 raise RuntimeError(f"rollout.front_port {self.port}: cannot listen on {self.host}:{self.port} "
                                    f"({e.strerror}); pick a free port or 0 for any") from e
+            self.port = probe.getsockname()[1]
         self._write(replicas)
         self.replicas = list(replicas)
         with open(self._dir / "haproxy.log", "ab") as err:  # the child keeps its own copy of the descriptor
@@ -253,14 +255,6 @@ def start_front(cfg, ingress) -> FrontWatch | None:
     r = cfg.rollout
     if r.front_port is None:
         return None
-    port = r.front_port or _free_port()
     threads = max(1, min(4, (os.cpu_count() or 2) // 4))  # a thread per 4 cores: on 2 the engine needs both
-    watch = FrontWatch(RestFront(port, r.http_port, threads=threads),
-                       lambda: ingress.stats.remote().result(timeout_s=30)).start()
-    return watch
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    return FrontWatch(RestFront(r.front_port, r.http_port, threads=threads),
+                      lambda: ingress.stats.remote().result(timeout_s=30)).start()

@@ -15,14 +15,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from benchmarks._common import free_port
 from common.config import ConfigError
 from serve_deployments.rest_front import RestFront, render_config, replica_targets
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Named(BaseHTTPRequestHandler):
@@ -78,7 +73,7 @@ def _target(s) -> tuple[str, int]:
 
 @pytest.fixture
 def front(backends):
-    f = RestFront(_port(), backends["serve"].server_address[1], host="127.0.0.1")
+    f = RestFront(free_port(), backends["serve"].server_address[1], host="127.0.0.1")
     f.start([_target(backends["r0"]), _target(backends["r1"])])
     yield f
     f.stop()
@@ -135,9 +130,10 @@ def test_a_dead_replica_is_routed_around_and_a_reload_brings_a_new_one(front, ba
 
 
 def test_no_replica_up_sends_generation_to_serve(backends):
-    f = RestFront(_port(), backends["serve"].server_address[1], host="127.0.0.1")
+    f = RestFront(0, backends["serve"].server_address[1], host="127.0.0.1")
     f.start([])
     try:
+        assert f.port != 0 and f.url == f"http://127.0.0.1:{f.port}/v1"  # port 0: the one it listens on
         with httpx.Client(base_url=f"http://127.0.0.1:{f.port}", timeout=10) as c:
             assert _who(c, "/v1/completions", {"model": "m", "prompt": "x"}) == "serve"
     finally:
@@ -145,7 +141,7 @@ def test_no_replica_up_sends_generation_to_serve(backends):
 
 
 def test_the_front_ends_with_stop_and_names_a_taken_port(backends):
-    f = RestFront(_port(), backends["serve"].server_address[1], host="127.0.0.1").start([])
+    f = RestFront(free_port(), backends["serve"].server_address[1], host="127.0.0.1").start([])
     proc = f._proc
     f.stop()
     assert proc.poll() is not None

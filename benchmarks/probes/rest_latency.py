@@ -55,7 +55,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="rest-latency-"))
     model = ensure_model(work / "tiny-model", shape="tiny")
     tensors, meta = make_lora_payload(model, seed=1, rank=rv.WORKLOAD["lora_rank"])
-    ports, registry = rv.start_rest(rv.service_config(model, 0), (tensors, meta), direct_ingress=args.direct_ingress)
+    ports, held = rv.start_rest(rv.service_config(model, 0), (tensors, meta), direct_ingress=args.direct_ingress)
     sides = {"serve_port": ports["rest"], "replica_port": ports["direct"]}
     for port in sides.values():  # warm-up: the first requests compile and fill caches
         for _ in range(5):
@@ -79,7 +79,7 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(doc, indent=2))
     for case, ms in added.items():
         print(f"{case:28s} the Serve port adds {ms:5.1f} ms", flush=True)
-    del registry  # held until here: the registry dies with its owner's last handle
+    del held  # the registry, held until here: it dies with its owner's last handle
     ray.shutdown()
     return 0
 
