@@ -30,6 +30,7 @@ LrSchedule = Literal["constant", "cosine"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 LOSS_AGGS: tuple[str, ...] = typing.get_args(LossAgg)
 LigerMode = Literal["auto", "on", "off"]
+MpsPriority = Literal["normal", "below_normal"]
 ZeroStage = Literal[0, 1, 2, 3]
 # rollout.max_lora_rank: the ranks vLLM accepts (vllm/config/lora.py MaxLoRARanks).
 LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
@@ -285,6 +286,15 @@ class TrainConfig:
            "budget, so a long run survives any number of faults spread over its life.")
     profile_step: int | None = _field(None, "profile this optimizer step with torch.profiler on rank 0 and write its "
                                             "top ops to RUN_DIR/profile.txt (None: off)")
+    mps_priority: MpsPriority = _field(
+        "normal", "Under CUDA MPS (one GPU shared by the trainer and a replica; cluster/gpu_mps.py), the train "
+                  "workers' "
+                  "CUDA_MPS_CLIENT_PRIORITY. below_normal: when SMs free up the GPU starts the replica's decode "
+                  "kernels (short, one after another, on every rollout's critical path) before more blocks of the "
+                  "trainer's long GEMMs, so a step's decoding is not paced by the trainer. No effect without MPS.")
+    mps_sm_percent: int = _field(
+        100, "Under CUDA MPS, the train workers' CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: the share of the GPU's SMs "
+             "their kernels may occupy at once (100 = all). Below 100 keeps SMs free for a replica on the same GPU.")
 
     def problems(self) -> list[str]:
         return _broken(
@@ -305,6 +315,7 @@ class TrainConfig:
             (self.logprob_chunk >= 1, "train.logprob_chunk: must be >= 1"),
             (self.profile_step is None or self.profile_step >= 1,
              f"train.profile_step: must be null or >= 1, got {self.profile_step}"),
+            (1 <= self.mps_sm_percent <= 100, f"train.mps_sm_percent: must be in [1, 100], got {self.mps_sm_percent}"),
         )
 
 

@@ -60,6 +60,8 @@ def test_overrides_are_typed(tmp_path):
     (["train.profile_step=0"], "train.profile_step"),
     (["run.placement_timeout_s=0"], "run.placement_timeout_s"),
     (["train.max_restarts=-1"], "train.max_restarts"),
+    (["train.mps_sm_percent=0"], "train.mps_sm_percent"),
+    (["train.mps_priority=high"], "train.mps_priority"),
     (["model.tiny_shape=huge"], "model.tiny_shape"),
     (["reward.where=remote"], "reward.where"),
     (["grpo.loss=ppo"], "grpo.loss"),

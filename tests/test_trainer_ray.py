@@ -93,3 +93,35 @@ def test_torchtrainer_checkpoints_publishes_restores_and_resumes_from_buffer(ray
     assert not torch.equal(weights["model.layers.0.self_attn.q_proj.weight"],
                            base["model.layers.0.self_attn.q_proj.weight"])
     assert torch.equal(weights["model.norm.weight"], base["model.norm.weight"])
+
+
+def _env_loop(out_dir: str):
+    def loop(config: dict) -> None:
+        import os
+
+        import ray.train
+
+        rank = ray.train.get_context().get_world_rank()
+        keys = ("CUDA_MPS_CLIENT_PRIORITY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "TOKENIZERS_PARALLELISM")
+        Path(out_dir, f"{rank}.json").write_text(json.dumps({k: os.environ.get(k) for k in keys}))
+    return loop
+
+
+def test_train_workers_get_the_mps_settings_and_keep_the_jobs_env(ray_session, tmp_path, monkeypatch):
+    """train.mps_priority / mps_sm_percent reach every train worker's environment (they must be set before the
+    worker's CUDA context exists, so the loop itself cannot set them), merged with the job's own variables;
+    at their defaults nothing is added."""
+    from train_loops import trainer
+
+    ray_session.shutdown()  # this test's Ray carries a job-level variable, as common.ray_utils' does
+    ray_session.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    model = tiny_model()
+    cfg = small_config(model, train={"total_steps": 1, "mps_priority": "below_normal", "mps_sm_percent": 60})
+    assert trainer.worker_env(small_config(model)) == {}
+    monkeypatch.setattr(trainer, "train_loop_per_worker", _env_loop(str(tmp_path)))
+    result = trainer.build_trainer(cfg, tmp_path / "run").fit()
+    assert result.error is None
+    seen = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(cfg.train.num_workers)]
+    assert seen == [{"CUDA_MPS_CLIENT_PRIORITY": "1", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60",
+                     "TOKENIZERS_PARALLELISM": "false"}] * cfg.train.num_workers

@@ -45,5 +45,18 @@ def build_trainer(cfg: Config, run_dir: str | Path, *, resume_from: str | None =
             storage_path=str(Path(run_dir).resolve()),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=FailureConfig(max_failures=max_failures),
+            worker_runtime_env={"env_vars": env} if (env := worker_env(cfg)) else None,
         ),
     )
+
+
+def worker_env(cfg: Config) -> dict[str, str]:
+    """Variables the train workers need before their CUDA context exists (Ray Train's `worker_runtime_env`;
+    Ray merges them into the job's). Only what differs from CUDA's defaults, so a CPU run's workers are
+    unchanged."""
+    env = {}
+    if cfg.train.mps_priority != "normal":
+        env["CUDA_MPS_CLIENT_PRIORITY"] = "1"  # NVIDIA's values: 0 NORMAL, 1 BELOW_NORMAL
+    if cfg.train.mps_sm_percent < 100:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(cfg.train.mps_sm_percent)
+    return env

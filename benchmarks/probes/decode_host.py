@@ -1,0 +1,71 @@
+"""Probe: what one decode step of the rollout engine costs, and how much of it is the host's.
+One offline vLLM engine with its core in this process (so `py-spy record -- python ...` sees every frame),
+N prompts of 256 tokens, NEW new tokens (EOS ignored), all N in flight, after a warm-up. Reports tok/s and ms per
+decode step for each sampling setting given (the engine is built once per process; `--mode` is an engine arg).
+Usage: python benchmarks/probes/decode_host.py MODEL_DIR OUT_JSON [--n 384] [--new 1024]
+         [--logprobs none,0] [--mode processed_logprobs|raw_logprobs] [--lora] [--no-async]
+`--lora`: a rank-1 adapter of zeros, loaded and used by every request (the rollout's shape).
+py-spy's raw output folds with `benchmarks/probes/fold_pyspy.py`."""
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def zero_adapter(model: str, path: str) -> str:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.bfloat16)
+    peft = get_peft_model(base, LoraConfig(r=1, lora_alpha=2, target_modules="all-linear"))
+    peft.save_pretrained(path)
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--n", type=int, default=384)
+    p.add_argument("--new", type=int, default=1024)
+    p.add_argument("--logprobs", default="none,0", help="comma list: none or an int, one timed pass each")
+    p.add_argument("--mode", default="processed_logprobs")
+    p.add_argument("--lora", action="store_true")
+    p.add_argument("--no-async", action="store_true")
+    p.add_argument("--gpu-mem", type=float, default=0.4)
+    a = p.parse_args()
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+    kw = {"gpu_memory_utilization": a.gpu_mem} if torch.cuda.is_available() else {}
+    if a.no_async:
+        kw["async_scheduling"] = False
+    llm = LLM(model=a.model, dtype="bfloat16", max_model_len=2048, max_num_seqs=a.n, enable_prefix_caching=False,
+              logprobs_mode=a.mode, enable_lora=a.lora, max_lora_rank=8 if a.lora else 16, **kw)
+    lora = LoRARequest("zero", 1, zero_adapter(a.model, "/tmp/decode_host_lora")) if a.lora else None
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    prompts = [{"prompt_token_ids": [(i * 7 + j) % (vocab - 20) + 10 for j in range(256)]} for i in range(a.n)]
+    llm.generate(prompts[:32], SamplingParams(max_tokens=32, ignore_eos=True), lora_request=lora, use_tqdm=False)
+    runs = []
+    for lp in a.logprobs.split(","):
+        sp = SamplingParams(temperature=1.0, max_tokens=a.new, ignore_eos=True, detokenize=False,
+                            logprobs=None if lp == "none" else int(lp))
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        toks = sum(len(o.outputs[0].token_ids) for o in outs)
+        runs.append({"logprobs": lp, "tokens": toks, "seconds": round(dt, 3), "tok_s": round(toks / dt),
+                     "ms_per_step": round(1000 * dt / a.new, 2)})
+        print(json.dumps(runs[-1]), flush=True)
+    doc = {"model": a.model, "n": a.n, "new_tokens": a.new, "logprobs_mode": a.mode, "lora": a.lora,
+           "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "runs": runs}
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
