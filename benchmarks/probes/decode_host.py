@@ -1,7 +1,9 @@
 """Probe: what one decode step of the rollout engine costs, and how much of it is the host's.
-One offline vLLM engine with its core in this process (so `py-spy record -- python ...` sees every frame),
-N prompts of 256 tokens, NEW new tokens (EOS ignored), all N in flight, after a warm-up. Reports tok/s and ms per
-decode step for each sampling setting given (the engine is built once per process; `--mode` is an engine arg).
+One offline vLLM engine, its core in this process (so `py-spy record -- python ...` sees every frame; run with
+VLLM_ENABLE_V1_MULTIPROCESSING=1 for the core in its own process, as AsyncLLM runs it),
+N prompts of 256 tokens, NEW new tokens (EOS ignored), all N in flight, after a warm-up with the same setting.
+Reports tok/s and ms per decode step for each sampling setting given (the engine is built once per process;
+`--mode` is an engine arg).
 Usage: python benchmarks/probes/decode_host.py MODEL_DIR OUT_JSON [--n 384] [--new 1024]
          [--logprobs none,0] [--mode processed_logprobs|raw_logprobs] [--lora] [--no-async]
 `--lora`: a rank-1 adapter of zeros, loaded and used by every request (the rollout's shape).
@@ -53,6 +55,10 @@ def main() -> None:
     for lp in a.logprobs.split(","):
         sp = SamplingParams(temperature=1.0, max_tokens=a.new, ignore_eos=True, detokenize=False,
                             logprobs=None if lp == "none" else int(lp))
+        # a warm-up with this setting and batch first: a sampler path's or a LoRA kernel's first use at a
+        # batch size may compile (Triton JIT, seconds)
+        llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, detokenize=False,
+                                                  logprobs=sp.logprobs), lora_request=lora, use_tqdm=False)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
         dt = time.perf_counter() - t0
@@ -62,6 +68,7 @@ def main() -> None:
         print(json.dumps(runs[-1]), flush=True)
     doc = {"model": a.model, "n": a.n, "new_tokens": a.new, "logprobs_mode": a.mode, "lora": a.lora,
            "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
+           "core_in_process": os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0",
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "runs": runs}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
