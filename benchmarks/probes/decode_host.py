@@ -27,6 +27,16 @@ def zero_adapter(model: str, path: str) -> str:
     return path
 
 
+def wait_for_peers(spec: str, me: str, tag: str) -> None:
+    from pathlib import Path
+
+    folder, n = spec.rsplit(":", 1)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    Path(folder, me).touch()
+    while len(list(Path(folder).glob(f"{tag}-*"))) < int(n):
+        time.sleep(0.05)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -38,6 +48,8 @@ def main() -> None:
     p.add_argument("--lora", action="store_true")
     p.add_argument("--no-async", action="store_true")
     p.add_argument("--gpu-mem", type=float, default=0.4)
+    p.add_argument("--barrier", default="", help="DIR:N: before each timed pass wait until N processes reach it "
+                                                 "(engines side by side on one GPU, timed together)")
     a = p.parse_args()
     import torch
     from vllm import LLM, SamplingParams
@@ -59,6 +71,8 @@ def main() -> None:
         # batch size may compile (Triton JIT, seconds)
         llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, detokenize=False,
                                                   logprobs=sp.logprobs), lora_request=lora, use_tqdm=False)
+        if a.barrier:
+            wait_for_peers(a.barrier, f"{lp}-{os.getpid()}", lp)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
         dt = time.perf_counter() - t0
