@@ -288,10 +288,9 @@ class TrainConfig:
                                             "top ops to RUN_DIR/profile.txt (None: off)")
     mps_priority: MpsPriority = _field(
         "normal", "Under CUDA MPS (one GPU shared by the trainer and a replica; cluster/gpu_mps.py), the train "
-                  "workers' "
-                  "CUDA_MPS_CLIENT_PRIORITY. below_normal: when SMs free up the GPU starts the replica's decode "
-                  "kernels (short, one after another, on every rollout's critical path) before more blocks of the "
-                  "trainer's long GEMMs, so a step's decoding is not paced by the trainer. No effect without MPS.")
+                  "workers' CUDA_MPS_CLIENT_PRIORITY. below_normal: when SMs free up, the GPU starts a replica's "
+                  "decode kernels before more blocks of the trainer's GEMMs (on the 1.5B reference workload it did "
+                  "not shorten the step: BENCHMARKS.md, fifth sitting). No effect without MPS.")
     mps_sm_percent: int = _field(
         100, "Under CUDA MPS, the train workers' CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: the share of the GPU's SMs "
              "their kernels may occupy at once (100 = all). Below 100 keeps SMs free for a replica on the same GPU.")
