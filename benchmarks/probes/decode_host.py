@@ -69,8 +69,8 @@ def main() -> None:
                             logprobs=None if lp == "none" else int(lp))
         # a warm-up with this setting and batch first: a sampler path's or a LoRA kernel's first use at a
         # batch size may compile (Triton JIT, seconds)
-        llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, detokenize=False,
-                                                  logprobs=sp.logprobs), lora_request=lora, use_tqdm=False)
+        warm = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, detokenize=False, logprobs=sp.logprobs)
+        llm.generate(prompts, warm, lora_request=lora, use_tqdm=False)
         if a.barrier:
             wait_for_peers(a.barrier, f"{lp}-{os.getpid()}", lp)
         t0 = time.perf_counter()
