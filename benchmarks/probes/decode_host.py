@@ -1,11 +1,12 @@
 """Probe: what one decode step of the rollout engine costs, and how much of it is the host's.
 One offline vLLM engine, its core in this process (so `py-spy record -- python ...` sees every frame; run with
 VLLM_ENABLE_V1_MULTIPROCESSING=1 for the core in its own process, as AsyncLLM runs it),
-N prompts of 256 tokens, NEW new tokens (EOS ignored), all N in flight, after a warm-up with the same setting.
+N prompts of 256 tokens, NEW new tokens (EOS ignored), all N in flight (or --in-flight at a time), after a warm-up
+with the same setting and batch.
 Reports tok/s and ms per decode step for each sampling setting given (the engine is built once per process;
 `--mode` is an engine arg).
-Usage: python benchmarks/probes/decode_host.py MODEL_DIR OUT_JSON [--n 384] [--new 1024]
-         [--logprobs none,0] [--mode processed_logprobs|raw_logprobs] [--lora] [--no-async]
+Usage: python benchmarks/probes/decode_host.py MODEL_DIR OUT_JSON [--n 384] [--new 1024] [--in-flight 128,384]
+         [--logprobs none,0] [--mode processed_logprobs|raw_logprobs] [--lora] [--no-async] [--quantization fp8]
 `--lora`: a rank-1 adapter of zeros, loaded and used by every request (the rollout's shape).
 py-spy's raw output folds with `benchmarks/probes/fold_pyspy.py`."""
 import argparse
@@ -50,6 +51,9 @@ def main() -> None:
     p.add_argument("--gpu-mem", type=float, default=0.4)
     p.add_argument("--barrier", default="", help="DIR:N: before each timed pass wait until N processes reach it "
                                                  "(engines side by side on one GPU, timed together)")
+    p.add_argument("--in-flight", default="", help="comma list of concurrencies: a timed pass feeds at most this "
+                                                   "many prompts per generate call (default: all N at once)")
+    p.add_argument("--quantization", default=None, help="vLLM's quantization, e.g. fp8 (weights quantized at load)")
     a = p.parse_args()
     import torch
     from vllm import LLM, SamplingParams
@@ -57,30 +61,36 @@ def main() -> None:
     kw = {"gpu_memory_utilization": a.gpu_mem} if torch.cuda.is_available() else {}
     if a.no_async:
         kw["async_scheduling"] = False
-    llm = LLM(model=a.model, dtype="bfloat16", max_model_len=2048, max_num_seqs=a.n, enable_prefix_caching=False,
-              logprobs_mode=a.mode, enable_lora=a.lora, max_lora_rank=8 if a.lora else 16, **kw)
+    in_flight = [int(x) for x in a.in_flight.split(",")] if a.in_flight else [a.n]
+    llm = LLM(model=a.model, dtype="bfloat16", max_model_len=2048, max_num_seqs=max(in_flight),
+              enable_prefix_caching=False, logprobs_mode=a.mode, enable_lora=a.lora,
+              max_lora_rank=8 if a.lora else 16, quantization=a.quantization, **kw)
     lora = LoRARequest("zero", 1, zero_adapter(a.model, "/tmp/decode_host_lora")) if a.lora else None
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prompts = [{"prompt_token_ids": [(i * 7 + j) % (vocab - 20) + 10 for j in range(256)]} for i in range(a.n)]
-    llm.generate(prompts[:32], SamplingParams(max_tokens=32, ignore_eos=True), lora_request=lora, use_tqdm=False)
     runs = []
     for lp in a.logprobs.split(","):
         sp = SamplingParams(temperature=1.0, max_tokens=a.new, ignore_eos=True, detokenize=False,
                             logprobs=None if lp == "none" else int(lp))
-        # a warm-up with this setting and batch first: a sampler path's or a LoRA kernel's first use at a
-        # batch size may compile (Triton JIT, seconds)
-        warm = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, detokenize=False, logprobs=sp.logprobs)
-        llm.generate(prompts, warm, lora_request=lora, use_tqdm=False)
-        if a.barrier:
-            wait_for_peers(a.barrier, f"{lp}-{os.getpid()}", lp)
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        toks = sum(len(o.outputs[0].token_ids) for o in outs)
-        runs.append({"logprobs": lp, "tokens": toks, "seconds": round(dt, 3), "tok_s": round(toks / dt),
-                     "ms_per_step": round(1000 * dt / a.new, 2)})
-        print(json.dumps(runs[-1]), flush=True)
+        for s in in_flight:
+            # a warm-up with this setting and batch first: a sampler path's or a LoRA kernel's first use at a
+            # batch size may compile (Triton JIT, seconds)
+            warm = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, detokenize=False,
+                                  logprobs=sp.logprobs)
+            llm.generate(prompts[:s], warm, lora_request=lora, use_tqdm=False)
+            if a.barrier:
+                wait_for_peers(a.barrier, f"{lp}-{s}-{os.getpid()}", f"{lp}-{s}")
+            t0 = time.perf_counter()
+            toks = 0
+            for k in range(0, a.n, s):
+                outs = llm.generate(prompts[k:k + s], sp, lora_request=lora, use_tqdm=False)
+                toks += sum(len(o.outputs[0].token_ids) for o in outs)
+            dt = time.perf_counter() - t0
+            runs.append({"logprobs": lp, "in_flight": s, "tokens": toks, "seconds": round(dt, 3),
+                         "tok_s": round(toks / dt), "ms_per_step": round(1000 * dt * s / (a.new * a.n), 2)})
+            print(json.dumps(runs[-1]), flush=True)
     doc = {"model": a.model, "n": a.n, "new_tokens": a.new, "logprobs_mode": a.mode, "lora": a.lora,
+           "quantization": a.quantization,
            "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
            "core_in_process": os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0",
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "runs": runs}

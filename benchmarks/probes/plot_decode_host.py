@@ -14,7 +14,8 @@ def bars(doc: dict) -> list[tuple[str, float]]:
             continue
         for r in run["runs"]:
             label = ("rank-1 LoRA" if run["lora"] else "base model") + (
-                ", no logprobs" if r["logprobs"] == "none" else f", logprobs={r['logprobs']}")
+                ", no logprobs" if r["logprobs"] == "none" else f", logprobs={r['logprobs']}") + (
+                f", {r['in_flight']} in flight" if r.get("in_flight", run["n"]) != run["n"] else "")
             out.append((label, float(r["tok_s"])))
     return out
 
