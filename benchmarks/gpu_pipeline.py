@@ -24,7 +24,8 @@ Phases (each in its own processes, so each starts with a clean GPU):
 - rest: benchmarks/rest_vs_vllm.py on this GPU (our REST through the Serve port and through the REST front,
   rollout.front_port: HAProxy to the replica's own port; against vLLM's own server, each engine 0.4 of the
   GPU): `rest_vs_vllm_serve` and `rest_vs_vllm_front`; its JSON and plot land beside this one as
-  rest_vs_vllm_gpu.*.
+  rest_vs_vllm_gpu.*. A child stopped by the budget after its last pass still gives them (`--finish` on its
+  partial document).
 
 Writes OUT/gpu_pipeline.json (the goal keys at top level; a goal not measured is null with the reason
 under `not_measured`; each phase's UTC time under `measured_at`, so one sitting can be told from several)
@@ -708,14 +709,29 @@ def phase_rest(args, work: Path, model: Path, out: Path) -> dict:
     cmd = [sys.executable, str(REPO / "benchmarks" / "rest_vs_vllm.py"), "--shape", args.shape, "--work", str(work),
            "--out", str(out)] + (["--smoke"] if os.environ.get("GPU_PIPELINE_SMOKE") == "1" else [])
     log = out / f"rest_vs_vllm_{device}.log"
+    t0 = time.time() - 1
     rc = run_logged(cmd, log, _time_left(args))
     text = log.read_text(errors="replace")
     print(text[-3000:], flush=True)
+    return rest_keys(out, device, t0, f"exit {rc}: " + text[-2000:], " ".join(["python", *cmd[1:]]))
+
+
+def rest_keys(out: Path, device: str, t0: float, failure: str, command: str) -> dict:
+    """The rest goal keys from the run's document, written after t0 (--out may hold an earlier run's). A run
+    stopped after its last pass (killed while its servers stopped) still has them: `--finish` makes the
+    document from its partial one. Otherwise the error, and how far the run got."""
     f = out / f"rest_vs_vllm_{device}.json"
-    if rc != 0 or not f.exists():
-        res = {"rest_error": f"exit {rc}: " + text[-2000:]}
-        partial = out / f"rest_vs_vllm_{device}_partial.json"  # the passes it finished, and its last stage
-        if partial.exists():
+    partial = out / f"rest_vs_vllm_{device}_partial.json"
+
+    def new(path: Path) -> bool:
+        return path.exists() and path.stat().st_mtime >= t0
+
+    if not new(f) and new(partial):  # --finish refuses one whose passes are not all done
+        run_logged([sys.executable, str(REPO / "benchmarks" / "rest_vs_vllm.py"), "--finish", str(partial)],
+                   out / f"rest_vs_vllm_{device}_finish.log", 120)
+    if not new(f):
+        res = {"rest_error": failure}
+        if new(partial):  # the passes it finished, and its last stage
             p = json.loads(partial.read_text())
             res["rest_partial"] = {"file": partial.name, "passes_done": p.get("passes_done"),
                                    "passes": p.get("passes"), "reason": p.get("partial_reason")}
@@ -725,7 +741,9 @@ def phase_rest(args, work: Path, model: Path, out: Path) -> dict:
     return {"rest_vs_vllm_serve": rest[key], "rest_vs_vllm_front": rest.get(f"{key}_front"),
             **({"rest_vs_vllm_serve_replica_port": rest[f"{key}_replica_port"]} if f"{key}_replica_port" in rest
                else {}),
-            "rest": {"json": f.name, "command": " ".join(["python", *cmd[1:]]),
+            **({"rest_finished_from_partial": rest["finished_from_partial"]} if "finished_from_partial" in rest
+               else {}),
+            "rest": {"json": f.name, "command": command,
                      "endpoints": {ep: {k: v for k, v in e.items() if "ratio" in k}
                                    for ep, e in rest["endpoints"].items()}}}
 

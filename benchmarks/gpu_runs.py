@@ -58,7 +58,9 @@ def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command
     n = cfg.grpo.prompts_per_step * cfg.grpo.group_size
     return {
         "run": name, "command": command, "wall_seconds": wall, "steps": len(rows),
-        "model_shape": cfg.model.tiny_shape, "sync_mode": cfg.sync.mode,
+        # tiny_shape names the model only when this run built it; model.path otherwise (gpu_pipeline's runs).
+        "model_shape": cfg.model.tiny_shape if cfg.model.build_tiny else None, "model_path": str(cfg.model.path),
+        "sync_mode": cfg.sync.mode,
         "reward_first_quarter": summary.get("reward_first_quarter"),
         "reward_last_quarter": summary.get("reward_last_quarter"),
         "reward_z": proportion_z(rows[:k], rows[-k:], n) if len(rows) >= 4 else None,

@@ -18,6 +18,7 @@ within the round. Each pass also records the CPU seconds every process of each s
 
     python benchmarks/rest_vs_vllm.py [--smoke] [--rounds N] [--requests N] [--out DIR] [--work DIR]
                                       [--start-order together|after-kv|serial] [--direct-ingress]
+    python benchmarks/rest_vs_vllm.py --finish OUT/rest_vs_vllm_gpu_partial.json
     python -m app bench rest_vs_vllm
 
 Both servers start at once on CPU; on a GPU ours deploys once vLLM's server has allocated its KV cache
@@ -26,7 +27,9 @@ Both servers start at once on CPU; on a GPU ours deploys once vLLM's server has 
 all fail stops the run, printing the dead actors' causes and the Serve logs' error lines. Stages and passes
 are logged with their time as they happen, and OUT/rest_vs_vllm_{cpu|gpu}_partial.json is rewritten at each
 stage and after each pass (the passes done, the stages, why it is partial), so a run killed by a time limit
-leaves what it measured; a finished run removes it.
+leaves what it measured; a finished run removes it. The final document is written once the passes are done,
+before the servers stop; a run killed while they stop leaves a partial with every pass, which `--finish`
+turns into the final document.
 
 Writes OUT/rest_vs_vllm_{cpu|gpu}.json (`rest_vs_vllm_serve_{cpu|gpu}`: the lower of the completions and
 chat ratios through the Serve port; `..._replica_port`: the same through the replica's own port) and a PNG
@@ -610,7 +613,16 @@ def main(argv=None) -> int:
     p.add_argument("--start-order", choices=list(START_ORDERS), default=None,
                    help="how the two servers start: " + "; ".join(f"{k}: {v}" for k, v in START_ORDERS.items())
                    + " (default after-kv on a GPU, together on CPU)")
+    p.add_argument("--finish", metavar="PARTIAL", default=None,
+                   help="write the final document (in PARTIAL's folder) from a partial one whose run did every pass "
+                        "but was stopped before its document; runs nothing")
     args = p.parse_args(argv)
+    if args.finish:
+        try:
+            finish_partial(Path(args.finish))
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--finish {args.finish}: {e}")
+        return 0
     ours = [x.strip() for x in args.sides.split(",") if x.strip() and x.strip() != "vllm"]
     if not ours or set(ours) - set(PREFIX):
         p.error(f"--sides: choose from {', '.join(PREFIX)}, got {args.sides!r}")
@@ -715,7 +727,25 @@ def main(argv=None) -> int:
                         if (why := all_failed(res)) is not None:  # no use running the other passes
                             log_service_errors()
                             raise RuntimeError(f"{what.strip()}: {why}")
-        progress.write(f"all {passes} passes done; stopping the servers, then the final document")
+        # The document before the servers stop: stopping Ray and Serve took over a minute on the H200, and a time
+        # limit there once killed a run with every pass done and no document (finish_partial mends that case).
+        from serve_deployments.engine_config import engine_kwargs
+
+        settings = {"engine_kwargs": engine_kwargs(cfg), "engine_env": server.env, "vllm_server_cmd": server.cmd,
+                    **({"vllm_server_env_extra": server.env_extra} if server.env_extra else {}),
+                    "rest": {"replicas": 1, "router_policy": cfg.router.policy,
+                             "ingress": ("Ray Serve direct ingress (the Ingress replica listens; no proxy)"
+                                         if args.direct_ingress else "Ray Serve's HTTP proxy -> Ingress"),
+                             "auth": "none: a standalone service's REST reads need no token (only /admin does)",
+                             **({"stream_interval_ms": cfg.rollout.stream_interval_ms}
+                                if hasattr(cfg.rollout, "stream_interval_ms") else {})},
+                    "server_start_s": starts}
+        doc = final_document(rounds, device, model, {
+            "machine": machine(load_at_start), "code": code, "command": "python benchmarks/rest_vs_vllm.py "
+            + " ".join(argv), "workload": {**w, "shape": shape}, "settings": settings,
+            "wall_s": time.time() - t_start, "work_dir": str(work)})
+        write_final(doc, out, device)
+        progress.path.unlink(missing_ok=True)  # the final document has it all
     except BaseException as e:  # a signal's SystemExit and Ctrl-C too: the partial document says why it stopped
         progress.write(f"stopped after {progress.passes_done()} of {passes} passes: {type(e).__name__}: {e}",
                        vllm_server_log_tail=server.log_tail() if server else "")
@@ -732,9 +762,11 @@ def main(argv=None) -> int:
             with contextlib.suppress(Exception):
                 serve.shutdown()
             ray.shutdown()
+    return 0
 
-    from serve_deployments.engine_config import engine_kwargs
 
+def final_document(rounds: list[dict], device: str, model: Path, fields: dict) -> dict:
+    """The goal keys (each side's lower endpoint ratio), the per-endpoint summary, the rounds and `fields`."""
     summary = summarize(rounds)
     key = f"rest_vs_vllm_serve_{device}"
     doc = {"goal": f">= {GOAL}"}
@@ -745,38 +777,52 @@ def main(argv=None) -> int:
         doc[key + SUFFIX[side] + "_is"] = (f"the lower of the completions and chat ratios ({worst}): "
                                            f"{SIDE_LABELS[side]} / vLLM output tok/s")
         doc["met" + SUFFIX[side]] = summary[worst][r] is not None and summary[worst][r] >= GOAL
+    w = fields["workload"]
     doc |= {
         "endpoints": summary, "rounds": rounds,
         "method": f"both servers alive, passes interleaved A B B A over {w['rounds']} rounds (the first a warm-up), "
                   "one endpoint at a time; a ratio is the median over the measured rounds of REST / vLLM within "
                   "the round; one client seed per round (both sides get the same prompts)",
-        "machine": machine(load_at_start), "code": code,
-        "command": "python benchmarks/rest_vs_vllm.py " + " ".join(argv),
-        "workload": {**w, "shape": shape},
-        "settings": {"engine_kwargs": engine_kwargs(cfg), "engine_env": server.env, "vllm_server_cmd": server.cmd,
-                     **({"vllm_server_env_extra": server.env_extra} if server.env_extra else {}),
-                     "client": "vllm bench serve " + " ".join(client_argv("completions", 0, model, w["requests"], 0)),
-                     "rest": {"replicas": 1, "router_policy": cfg.router.policy,
-                              "ingress": ("Ray Serve direct ingress (the Ingress replica listens; no proxy)"
-                                          if args.direct_ingress else "Ray Serve's HTTP proxy -> Ingress"),
-                              "auth": "none: a standalone service's REST reads need no token (only /admin does)",
-                              **({"stream_interval_ms": cfg.rollout.stream_interval_ms}
-                                 if hasattr(cfg.rollout, "stream_interval_ms") else {})},
-                     "server_start_s": starts},
-        "wall_s": time.time() - t_start, "work_dir": str(work),
-    }
+        **fields}
+    doc.setdefault("settings", {})["client"] = "vllm bench serve " + " ".join(
+        client_argv("completions", 0, model, w["requests"], 0))
+    return doc
+
+
+def write_final(doc: dict, out: Path, device: str) -> Path:
+    """OUT/rest_vs_vllm_{device}.json, its plot, the table and the goal line."""
     f = out / f"rest_vs_vllm_{device}.json"
-    f.write_text(json.dumps(doc, indent=2, default=float))
-    progress.path.unlink(missing_ok=True)  # the final document has it all
+    f.write_text(json.dumps(doc, indent=2, default=_jsonable))
     try:
         plot(doc, f.with_suffix(".png"))
     except Exception as e:  # a missing matplotlib must not lose the numbers
         log(f"plot failed: {e}")
-    print(table(summary))
+    print(table(doc["endpoints"]))
+    key = f"rest_vs_vllm_serve_{device}"
     log(", ".join(f"{key}{SUFFIX[side]} = {_ratio_text(doc[key + SUFFIX[side]])}" for side in SIDES[:-1])
         + f" (goal >= {GOAL}); wrote {f} and {f.with_suffix('.png').name}")
-    return 0
+    return f
 
+
+def finish_partial(partial: Path) -> Path:
+    """The final document from a partial one that a run left behind with every pass done (killed while its
+    servers stopped): the same keys, from the same passes; the partial stays, as the record of the stop."""
+    global SIDES
+    doc = json.loads(partial.read_text())
+    if not doc.get("rounds") or doc.get("passes_done") != doc.get("passes"):
+        raise ValueError(f"{partial}: {doc.get('passes_done')} of {doc.get('passes')} passes were done; only a run "
+                         "that finished every pass can be finished from its partial document")
+    ours = [s for s in doc["rounds"][0]["order"] if s != "vllm"]
+    SIDES = (*sorted(ours, key=list(PREFIX).index), "vllm")
+    device = "gpu" if partial.name.endswith("_gpu_partial.json") else "cpu"
+    fields = {k: doc[k] for k in ("code", "command", "workload", "work_dir", "load_avg_1_5_15_min_at_start")
+              if k in doc}
+    fields["settings"] = {"vllm_server_cmd": doc.get("vllm_server_cmd"), "server_start_s": doc.get("server_start_s")}
+    fields["wall_s"] = doc.get("wall_s")
+    fields["finished_from_partial"] = {"file": partial.name, "reason": doc.get("partial_reason"),
+                                       "updated_at": doc.get("updated_at")}
+    model = Path(doc.get("work_dir") or ".") / f"{doc['workload'].get('shape', 'tiny')}-model"
+    return write_final(final_document(doc["rounds"], device, model, fields), partial.parent, device)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -183,3 +183,42 @@ def test_bursty_async_steps_report_their_mean_beside_the_p50():
     rec = record("pipeline-async", cfg, rows, {}, 100.0, "")
     assert rec["step_seconds_p50"] == 4.0
     assert rec["step_seconds_mean"] == pytest.approx(sum(seconds[2:]) / 10) and rec["step_seconds_mean"] > 6.0
+
+
+def test_rest_keys_come_from_this_runs_documents_even_one_stopped_after_its_passes(tmp_path):
+    """The rest phase reads only documents its own run wrote (--out may hold an earlier run's); a run killed
+    after its last pass (on the H200, while its servers stopped) still gives its keys, through
+    `rest_vs_vllm.py --finish` on its partial document."""
+    import os
+    import time
+
+    from benchmarks import rest_vs_vllm as rv
+    from benchmarks.gpu_pipeline import rest_keys
+
+    def run(tok_s):
+        return {**{k: 1.0 for k in rv.METRICS}, "output_tok_s": tok_s, "completed": 160, "failed": 0,
+                "cpu_ms_per_request": {"client": 1.0}}
+
+    old = tmp_path / "rest_vs_vllm_cpu.json"
+    old.write_text(json.dumps({"rest_vs_vllm_serve_cpu": 0.5, "endpoints": {}}))
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    t0 = time.time() - 1
+    res = rest_keys(tmp_path, "cpu", t0, "exit None: killed", "python benchmarks/rest_vs_vllm.py")
+    assert res == {"rest_error": "exit None: killed"}  # the hour-old document is not this run's
+
+    rounds = [{"order": list(o), **{ep: {s: run({"rest": 700.0, "front": 980.0, "vllm": 1000.0}[s]) for s in o}
+                                    for ep in rv.ENDPOINTS}}
+              for o in (("rest", "front", "vllm"), ("vllm", "front", "rest"))]
+    progress = rv.Progress(tmp_path / "rest_vs_vllm_cpu_partial.json",
+                           {"workload": {**rv.WORKLOAD, "rounds": 2, "shape": "tiny"}}, passes=12)
+    progress.rounds.extend(rounds[:1])
+    progress.write("stopped after 6 of 12 passes: SystemExit: 143")
+    res = rest_keys(tmp_path, "cpu", t0, "exit None: killed", "python benchmarks/rest_vs_vllm.py")
+    assert res["rest_error"] == "exit None: killed" and res["rest_partial"]["passes_done"] == 6
+
+    progress.rounds.extend(rounds[1:])
+    progress.write("all 12 passes done; stopping the servers, then the final document")
+    res = rest_keys(tmp_path, "cpu", t0, "exit None: killed", "python benchmarks/rest_vs_vllm.py")
+    assert res["rest_vs_vllm_serve"] == pytest.approx(0.7) and res["rest_vs_vllm_front"] == pytest.approx(0.98)
+    assert "all 12 passes" in res["rest_finished_from_partial"]["reason"] and "rest_error" not in res
+    assert res["rest"]["endpoints"]["chat"]["ratio_runs"] == [pytest.approx(0.7)]

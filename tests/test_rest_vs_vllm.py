@@ -5,6 +5,7 @@ streaming. A `bench` test (a few minutes: two engines start): the script runs as
 stops its own Ray and vLLM server."""
 import json
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -149,3 +150,49 @@ def test_a_pass_whose_requests_all_failed_names_the_first_error():
                                    for side in rv.SIDES} for ep in rv.ENDPOINTS}])
     assert summary["chat"]["rest"]["errors"] == {"Not Found": 3, "Bad Request": 1}
     assert summary["chat"]["ratio"] is None and "n/a" in rv.table(summary)
+
+
+def _pass(tok_s: float) -> dict:
+    return {**{k: 1.0 for k in rv.METRICS}, "output_tok_s": tok_s, "ttft_p50_ms": 1e4 / tok_s, "completed": 160,
+            "failed": 0, "cpu_ms_per_request": {"client": 1.0}}
+
+
+def test_a_run_stopped_after_every_pass_is_finished_from_its_partial_document(tmp_path):
+    """On the H200 a time limit killed a run while its servers stopped, every pass done and no document:
+    `--finish` makes the document from the partial one (the same summary as a finished run), and refuses a
+    partial whose passes are not all done."""
+    tok = {"rest": 600.0, "front": 950.0, "vllm": 1000.0}
+    rounds = [{"order": list(order), **{ep: {s: _pass(tok[s] * (1.1 if ep == "chat" and s == "front" else 1) + r)
+                                             for s in order} for ep in rv.ENDPOINTS}}
+              for r, order in enumerate([("rest", "front", "vllm"), ("vllm", "front", "rest"),
+                                         ("rest", "front", "vllm")])]
+    path = tmp_path / "rest_vs_vllm_gpu_partial.json"
+    progress = rv.Progress(path, {"command": "python benchmarks/rest_vs_vllm.py", "work_dir": str(tmp_path),
+                                  "workload": {**rv.WORKLOAD, "rounds": 3, "shape": "qwen2.5-1.5b"},
+                                  "vllm_server_cmd": ["python", "-m", "vllm.entrypoints.openai.api_server"]},
+                           passes=12)
+    progress.rounds.extend(rounds[:1])
+    progress.write("stopped after 6 of 12 passes: SystemExit: 137")
+    finish = [sys.executable, str(REPO / "benchmarks" / "rest_vs_vllm.py"), "--finish", str(path)]
+    proc = subprocess.run(finish, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "6 of 12 passes were done" in proc.stderr, proc.stderr
+    assert not (tmp_path / "rest_vs_vllm_gpu.json").exists()
+
+    progress.passes = 18
+    progress.rounds[:] = rounds
+    progress.write("all 18 passes done; stopping the servers, then the final document")
+    proc = subprocess.run(finish, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "rest_vs_vllm_gpu.json").read_text())
+    # Rounds 2 and 3 are measured: completions rest (601/1001, 602/1002), the lower of the two endpoints.
+    serve = statistics.median([(600 + r) / (1000 + r) for r in (1, 2)])
+    assert doc["rest_vs_vllm_serve_gpu"] == pytest.approx(serve) and not doc["met"]
+    front = statistics.median([(950 + r) / (1000 + r) for r in (1, 2)])  # completions: chat's front is 1.1x
+    assert doc["rest_vs_vllm_serve_gpu_front"] == pytest.approx(front) and doc["met_front"]
+    assert doc["endpoints"]["chat"]["front_ratio"] > 1 and doc["rounds"] == json.loads(json.dumps(rounds))
+    done = doc["finished_from_partial"]
+    assert done["file"] == path.name and "all 18 passes" in done["reason"]
+    settings = doc["settings"]
+    assert settings["vllm_server_cmd"][-1].endswith("api_server") and "vllm bench serve" in settings["client"]
+    assert (tmp_path / "rest_vs_vllm_gpu.png").stat().st_size > 0 and path.exists()
+    assert "rest_vs_vllm_serve_gpu_front = 0.95" in proc.stdout
