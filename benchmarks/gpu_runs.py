@@ -50,6 +50,13 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def _rate(rows: list[dict]) -> float | None:
+    """Generated tokens per second over rows: each row's rate times its step's seconds, summed, / the seconds."""
+    rows = [r for r in rows if r.get("gen_tokens_per_s") is not None and r.get("step_seconds")]
+    secs = sum(r["step_seconds"] for r in rows)
+    return sum(r["gen_tokens_per_s"] * r["step_seconds"] for r in rows) / secs if secs else None
+
+
 def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command: str) -> dict:
     from app.report import proportion_z
 
@@ -75,6 +82,9 @@ def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command
         "learn_seconds_p50": _p50([r.get("learn_seconds") for r in steady]),
         "train_tokens_per_s_p50": _p50([r.get("train_tokens_per_s") for r in steady]),
         "gen_tokens_per_s_p50": _p50([r.get("gen_tokens_per_s") for r in steady]),
+        # A row counts the tokens of the groups finished since the row before; fixed-length groups finish
+        # together, so most async rows count none and the p50 is 0. The rate over the steady steps is the mean.
+        "gen_tokens_per_s_mean": _rate(steady),
         "seq_tokens_per_step": _p50([r.get("seq_tokens") for r in rows]),
         "micro_batches": _p50([r.get("micro_batches") for r in rows]),
         "peak_mem_gib": max((r.get("peak_mem_gib", 0.0) for r in rows), default=None),

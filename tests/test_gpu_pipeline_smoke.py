@@ -179,10 +179,33 @@ def test_bursty_async_steps_report_their_mean_beside_the_p50():
     seconds = [8.87, 3.46, 3.58, 11.9, 4.03, 3.59, 12.25, 4.0, 3.57, 12.26, 3.6, 3.64]  # that run's steps
     rows = [{"step": i + 1, "step_seconds": s, "reward_mean": 0.5} for i, s in enumerate(seconds)]
     ns = types.SimpleNamespace
-    cfg = ns(grpo=ns(prompts_per_step=16, group_size=8), model=ns(tiny_shape="small"), sync=ns(mode="adapter"))
+    cfg = ns(grpo=ns(prompts_per_step=16, group_size=8), model=ns(tiny_shape="small", build_tiny=False, path="/m"),
+             sync=ns(mode="adapter"))
     rec = record("pipeline-async", cfg, rows, {}, 100.0, "")
     assert rec["step_seconds_p50"] == 4.0
     assert rec["step_seconds_mean"] == pytest.approx(sum(seconds[2:]) / 10) and rec["step_seconds_mean"] > 6.0
+    assert rec["model_shape"] is None and rec["model_path"] == "/m"  # the model was given, not built from a shape
+
+
+def test_bursty_generation_reports_its_rate_not_a_p50_of_zero():
+    """A row's gen_tokens_per_s counts the groups finished since the row before; fixed-length groups finish
+    together, so on the H200 (2026-12-04f) 8 of 12 async rows counted none and the p50 read 0 tok/s."""
+    import types
+
+    from benchmarks.gpu_runs import record
+
+    steps = [(6.17, 2804.4), (3.23, 0.0), (3.23, 0.0), (13.75, 19061.2), (3.18, 41100.3), (3.3, 0.0),
+             (15.57, 25238.8), (3.18, 0.0), (3.31, 0.0), (15.83, 24836.4), (3.27, 0.0), (3.31, 0.0)]  # that run's
+    rows = [{"step": i + 1, "step_seconds": t, "gen_tokens_per_s": g, "reward_mean": 0.5}
+            for i, (t, g) in enumerate(steps)]
+    ns = types.SimpleNamespace
+    cfg = ns(grpo=ns(prompts_per_step=16, group_size=8), model=ns(tiny_shape="small", build_tiny=True, path="/m"),
+             sync=ns(mode="adapter"))
+    rec = record("pipeline-async", cfg, rows, {}, 100.0, "")
+    assert rec["gen_tokens_per_s_p50"] == 0.0 and rec["model_shape"] == "small"
+    tokens = sum(t * g for t, g in steps[2:])
+    assert rec["gen_tokens_per_s_mean"] == pytest.approx(tokens / sum(t for t, _ in steps[2:]))
+    assert 15000 < rec["gen_tokens_per_s_mean"] < 20000  # 384 x 1,024 tokens every ~22 s
 
 
 def test_rest_keys_come_from_this_runs_documents_even_one_stopped_after_its_passes(tmp_path):
