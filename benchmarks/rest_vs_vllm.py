@@ -815,12 +815,11 @@ def finish_partial(partial: Path) -> Path:
     ours = [s for s in doc["rounds"][0]["order"] if s != "vllm"]
     SIDES = (*sorted(ours, key=list(PREFIX).index), "vllm")
     device = "gpu" if partial.name.endswith("_gpu_partial.json") else "cpu"
-    fields = {k: doc[k] for k in ("code", "command", "workload", "work_dir", "load_avg_1_5_15_min_at_start")
-              if k in doc}
-    fields["settings"] = {"vllm_server_cmd": doc.get("vllm_server_cmd"), "server_start_s": doc.get("server_start_s")}
-    fields["wall_s"] = doc.get("wall_s")
-    fields["finished_from_partial"] = {"file": partial.name, "reason": doc.get("partial_reason"),
-                                       "updated_at": doc.get("updated_at")}
+    fields = {k: doc[k] for k in ("code", "command", "workload", "work_dir", "load_avg_1_5_15_min_at_start",
+                                  "wall_s") if k in doc}
+    fields |= {"settings": {"vllm_server_cmd": doc.get("vllm_server_cmd"), "server_start_s": doc.get("server_start_s")},
+               "finished_from_partial": {"file": partial.name, "reason": doc.get("partial_reason"),
+                                         "updated_at": doc.get("updated_at")}}
     model = Path(doc.get("work_dir") or ".") / f"{doc['workload'].get('shape', 'tiny')}-model"
     return write_final(final_document(doc["rounds"], device, model, fields), partial.parent, device)
 
