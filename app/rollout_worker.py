@@ -193,7 +193,7 @@ class RolloutWorker:
         """The ingress's generate_group; a call that lost its ingress (or a replica the ingress could
         not replace) is retried whole through a fresh app handle (ROLLOUT_GROUP). The group's version
         is whatever the ingress pins for the attempt that succeeds (`version`: that one exactly): no
-        sample of a failed attempt is kept. `replica`: an episode's session (rollout_front.py)."""
+        sample of a failed attempt is kept. `replica`: an episode's session (rollout_groups.py)."""
 
         async def attempt() -> list[dict]:
             session = {"replica": replica} if replica is not None else {}

@@ -41,9 +41,9 @@ def start_rollout_service(cfg: Config, registry, verbose: bool = False, last_ste
 
 
 def start_front(cfg: Config, ingress):
-    """The app's REST front when rollout.front_port is set (serve_deployments/rest_front.py); its URL is
+    """The app's REST front when rollout.front_port is set (serve_deployments/haproxy_front.py); its URL is
     logged. A front already up for the app (a resumed run) is replaced."""
-    from serve_deployments.rest_front import start_front as _start
+    from serve_deployments.haproxy_front import start_front as _start
 
     stop_front(cfg.rollout.app_name)
     watch = _start(cfg, ingress)

@@ -9,7 +9,7 @@
 (b) Transport path, synthetic payloads shaped like Qwen2.5-1.5B (bf16, LoRA on all 7 projections) at
     several ranks, and the full merged weights: the real AdapterRegistry, attached to a Serve app whose
     ingress broadcasts `load_adapter` to N lightweight replicas WITHOUT a vLLM engine. Each replica does
-    what RolloutReplica does, through its own weight transports (serve_deployments/weight_transport.py)
+    what RolloutReplica does, through its own weight transports (serve_deployments/engine_weights.py)
     over an engine whose calls do nothing: registry.get, ray.get the tensors, then `AdapterTransport.load`
     (verify digest + shapes against the base model's config, adapter slots, write the PEFT dir to
     /dev/shm) or `MergedTransport.stage` + `swap` (verify, write a safetensors file). The merged weights
@@ -185,7 +185,7 @@ def _transport_deployments():
     @serve.deployment(ray_actor_options={"num_cpus": 0.1})
     class SinkReplica:
         """RolloutReplica's load path with the engine left out: the replica's own weight transports
-        (serve_deployments/weight_transport.py) over `NoEngine`. Adapter: `AdapterTransport.load` (verify
+        (serve_deployments/engine_weights.py) over `NoEngine`. Adapter: `AdapterTransport.load` (verify
         against the base config, slot digest check, evict the slots' victim, write the PEFT dir to tmpfs,
         register). Merged: `MergedTransport.stage` (verify, write the safetensors file) and `swap`, then the
         adapters dropped, as `update_weights` does. `merged_layers`: the merged payloads carry only the
@@ -196,8 +196,8 @@ def _transport_deployments():
             import ray
 
             from serve_deployments.adapter_slots import AdapterSlots
-            from serve_deployments.adapter_store import BaseModelShapes, scratch_root
-            from serve_deployments.weight_transport import AdapterTransport, MergedTransport
+            from serve_deployments.adapter_files import BaseModelShapes, scratch_root
+            from serve_deployments.engine_weights import AdapterTransport, MergedTransport
 
             self._registry = ray.get_actor(registry_name, namespace=namespace)
             shapes = BaseModelShapes(model_dir)
@@ -211,7 +211,7 @@ def _transport_deployments():
             self._merged = MergedTransport(engine, merged_shapes, self._scratch)
 
         async def load_adapter(self, version: int) -> dict:
-            from serve_deployments.weight_transport import payload_kind
+            from serve_deployments.engine_weights import payload_kind
 
             t0 = time.perf_counter()
             entry = await self._registry.get.remote(version)
@@ -231,7 +231,7 @@ def _transport_deployments():
                     "pid": os.getpid()}
 
         def __del__(self):
-            from serve_deployments.adapter_store import remove_dir
+            from serve_deployments.adapter_files import remove_dir
 
             if getattr(self, "_scratch", None) is not None:
                 remove_dir(self._scratch)
@@ -308,7 +308,7 @@ def transport(args, tmp: Path) -> dict:
 
     from common.adapter_io import make_meta, tensors_nbytes
     from common.registry import NAMESPACE, AdapterRegistry
-    from serve_deployments.adapter_store import BaseModelShapes
+    from serve_deployments.adapter_files import BaseModelShapes
 
     model_dir = qwen15b_config_dir(tmp)
     shapes = BaseModelShapes(str(model_dir))

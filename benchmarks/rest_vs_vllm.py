@@ -290,7 +290,7 @@ def start_rest(cfg, payload, before_deploy=None, progress=log, direct_ingress: b
     ports = {"rest": ingress_port or cfg.rollout.http_port, "direct": replica_port}
     watch = None
     if front:
-        from serve_deployments.rest_front import start_front
+        from serve_deployments.haproxy_front import start_front
 
         cfg.rollout.front_port = 0
         try:

@@ -362,7 +362,7 @@ class RolloutConfig:
         None, "The REST front: HAProxy on this port (0: any free one; null: off) sends the generation routes straight "
               "to a replica's own port (needs rollout.replica_http_port), chosen by a consistent hash of the model "
               "and the prompt's head with bounded load, and every other route to Serve's http_port. vLLM's speed "
-              "with routing kept (serve_deployments/rest_front.py); `app serve` prints its URL. Not for a fleet "
+              "with routing kept (serve_deployments/haproxy_front.py); `app serve` prints its URL. Not for a fleet "
               "(`fleet up` refuses it).")
     tool_parser: str | None = _field(
         "hermes", "vLLM tool parser for REST chat completions with `tools` and tool_choice auto (a name vLLM's "

@@ -24,7 +24,7 @@ from serve_deployments.admission import Admission
 from serve_deployments.openai_body import APIError, json_response
 from serve_deployments.replica_pool import ReplicaPool
 from serve_deployments.served_versions import RunVersions, UnknownRunError
-from serve_deployments.weights_broadcaster import AdapterLoadError, WeightsBroadcaster
+from serve_deployments.replica_broadcast import AdapterLoadError, WeightsBroadcaster
 
 ADMIN_TOKEN_ENV = "LORA_GRPO_ADMIN_TOKEN"
 HEALTH_TIMEOUT_S = 10.0

@@ -10,7 +10,7 @@ import os
 from common.config import Config
 from common.placement import replica_resources
 
-WORKER_EXTENSION = "serve_deployments.weight_update.MergedWeightsExtension"
+WORKER_EXTENSION = "serve_deployments.merged_weights_extension.MergedWeightsExtension"
 
 
 def engine_env(cfg: Config) -> dict[str, str]:

@@ -2,11 +2,11 @@
 
 Two faces, one object, each delegating to a part that is tested without Serve:
 - OpenAI-compatible REST on Serve's HTTP port: /v1/completions, /v1/chat/completions, /v1/models
-  (openai_front.py: bodies hardened in openai_body.py, checked and tokenized in openai_requests.py),
+  (openai_routes.py: bodies hardened in openai_body.py, checked and tokenized in openai_requests.py),
   /health and the bearer-token admin routes /admin/... (admin.py);
 - Python handle methods for the driver, the registry and the rollout workers: `generate_group`
-  (rollout_front.py), `load_adapter` / `unload_adapter` / `update_weights` / `expire` / `pause` /
-  `resume` (weights_broadcaster.py), `live_versions` / `registry_sha` (served_versions.py), `stats`
+  (rollout_groups.py), `load_adapter` / `unload_adapter` / `update_weights` / `expire` / `pause` /
+  `resume` (replica_broadcast.py), `live_versions` / `registry_sha` (served_versions.py), `stats`
   and `health` (admin.py).
 
 Shared between them: the replica deployment's handle with the request router's RoutingPolicy and the
@@ -42,13 +42,13 @@ from serve_deployments.openai_body import (
     install_error_handlers,
     json_response,
 )
-from serve_deployments.openai_front import OpenAIFront
+from serve_deployments.openai_routes import OpenAIFront
 from serve_deployments.openai_requests import RequestChecker
 from serve_deployments.replica_pool import ReplicaPool
 from serve_deployments.request_router import RoutingPolicy
-from serve_deployments.rollout_front import RolloutFront
+from serve_deployments.rollout_groups import RolloutFront
 from serve_deployments.served_versions import RunVersions
-from serve_deployments.weights_broadcaster import WeightsBroadcaster
+from serve_deployments.replica_broadcast import WeightsBroadcaster
 
 __all__ = ["ADMIN_TOKEN_ENV", "DEFAULT_INFLIGHT_PER_REPLICA", "Ingress", "api"]
 
@@ -119,18 +119,18 @@ class Ingress:
     async def generate_group(self, prompt_token_ids: list[int], n: int, version: int | None = None,
                              sampling: dict | None = None, drop_if_expired: bool = False,
                              replica: str | None = None, run: str = "") -> list[dict]:
-        """n samples of one prompt under one pinned version (rollout_front.RolloutFront.generate_group)."""
+        """n samples of one prompt under one pinned version (rollout_groups.RolloutFront.generate_group)."""
         await self._known(run)
         return await self._rollouts.generate_group(prompt_token_ids, n, version, sampling, drop_if_expired,
                                                    replica, run)
 
     async def pin_version(self, run: str = "") -> int:
-        """The version a rollout started now would pin (rollout_front.RolloutFront.pin_version)."""
+        """The version a rollout started now would pin (rollout_groups.RolloutFront.pin_version)."""
         await self._known(run)
         return await self._rollouts.pin_version(run)
 
     async def load_adapter(self, version: int, run: str = "", token: str | None = None) -> dict:
-        """Load a registry version on every replica, all or nothing (weights_broadcaster.py). On a fleet, a
+        """Load a registry version on every replica, all or nothing (replica_broadcast.py). On a fleet, a
         run's version needs its token."""
         await self._may_change(run, token)
         await self._known(run)

@@ -23,7 +23,7 @@ the replica serves several runs' adapters side by side, named `RUN/policy-vN`:
 - merge mode stays the run ""'s: a fleet run's version is never the base weights.
 
 The deployment composes separate objects: the engine (vLLM AsyncLLM), the adapter slots
-(adapter_slots.py) and the two weight transports (weight_transport.py: adapter vs merge mode), vLLM's
+(adapter_slots.py) and the two weight transports (engine_weights.py: adapter vs merge mode), vLLM's
 own OpenAI serving classes, and the model-name rules it shares with the ingress (openai_api.py).
 
 All methods are async and run on Serve's user event loop, so bookkeeping between awaits is atomic.
@@ -46,7 +46,7 @@ from common.adapter_io import AdapterError, unpack_tensors
 from common.names import BASE_NAME, NAMESPACE, REGISTRY_NAME, fleet_app, run_namespace
 from common.types import adapter_name, check_run_name, policy_name
 from serve_deployments.adapter_slots import AdapterKey, AdapterSlots
-from serve_deployments.adapter_store import BaseModelShapes, remove_dir, scratch_root
+from serve_deployments.adapter_files import BaseModelShapes, remove_dir, scratch_root
 from serve_deployments.openai_api import (
     COMPLETIONS,
     ROUTES,
@@ -56,7 +56,7 @@ from serve_deployments.openai_api import (
     resolve_model,
     served_name,
 )
-from serve_deployments.weight_transport import AdapterTransport, MergedTransport, ReplicaError, payload_kind
+from serve_deployments.engine_weights import AdapterTransport, MergedTransport, ReplicaError, payload_kind
 
 log = logging.getLogger("ray.serve")
 

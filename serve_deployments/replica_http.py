@@ -7,7 +7,7 @@ per request. vLLM's server is one process: HTTP, its serving classes, the engine
 runs on the replica's own event loop and calls the replica in-process, so a request costs what it costs in
 vLLM's server plus our checks.
 
-What stays the same as the routed endpoint: the same OpenAIFront (openai_front.py) with the same body
+What stays the same as the routed endpoint: the same OpenAIFront (openai_routes.py) with the same body
 hardening, request checks, model names (`policy-vN`, `policy-latest`, `base`, a fleet run's `RUN/...`),
 served-version headers, admission (429 over `rollout.max_inflight_per_replica`) and a fleet's read token.
 What it does not do: choose a replica (a client that talks to one replica's port gets that replica: no prefix
@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request
 from serve_deployments.admission import Admission
 from serve_deployments.openai_api import CHAT, COMPLETIONS
 from serve_deployments.openai_body import error_body, install_error_handlers, json_response
-from serve_deployments.openai_front import OpenAIFront
+from serve_deployments.openai_routes import OpenAIFront
 from serve_deployments.served_versions import RunVersions
 
 log = logging.getLogger("ray.serve")

@@ -14,11 +14,11 @@ from serve_deployments.admission import Admission
 from serve_deployments.fair_queue import FairQueue
 from serve_deployments.openai_api import ModelNameError, model_run, resolve_model, served_names
 from serve_deployments.openai_body import APIError
-from serve_deployments.openai_front import OpenAIFront
+from serve_deployments.openai_routes import OpenAIFront
 from serve_deployments.replica_pool import ReplicaPool
-from serve_deployments.rollout_front import RolloutFront
+from serve_deployments.rollout_groups import RolloutFront
 from serve_deployments.served_versions import RunVersions, UnknownRunError
-from serve_deployments.weights_broadcaster import WeightsBroadcaster
+from serve_deployments.replica_broadcast import WeightsBroadcaster
 from tests._ingress_fakes import FakePool, FakeRegistry, FakeReplica, FakeReplicaHandle, make_request
 
 ADMIN = "fleet-admin"

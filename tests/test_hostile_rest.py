@@ -9,7 +9,7 @@ started the way `python -m app serve --adapter` starts it:
   x-adapter-sha256 header is the registry's digest, and the rollout worker's check counts mismatches;
 - the replica's own REST port (rollout.replica_http_port, replica_http.py) refuses the same malformed requests
   the same way, serves the same names and digests, and answers 429 over its own in-flight limit;
-- the REST front (rollout.front_port, rest_front.py: HAProxy) refuses the same malformed requests the same way,
+- the REST front (rollout.front_port, haproxy_front.py: HAProxy) refuses the same malformed requests the same way,
   and streams what the replica streams."""
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common.adapter_io import make_meta, pack_tensors, unpack_tensors, write_peft_dir  # noqa: E402
-from serve_deployments.adapter_store import BaseModelShapes, verify_adapter  # noqa: E402
+from serve_deployments.adapter_files import BaseModelShapes, verify_adapter  # noqa: E402
 
 # Qwen2.5-1.5B: the 7 linears of each of 28 layers, (in, out, block).
 LINEARS = {"q_proj": (1536, 1536, "self_attn"), "k_proj": (1536, 256, "self_attn"),

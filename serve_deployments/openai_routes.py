@@ -1,4 +1,4 @@
-"""The OpenAI-compatible REST front: /v1/completions, /v1/chat/completions (JSON or SSE) and /v1/models.
+"""The ingress's OpenAI-compatible REST routes: /v1/completions, /v1/chat/completions (JSON or SSE), /v1/models.
 
 A completion request is admitted (the in-flight limit, before its body is even read: overload costs
 nothing), read and hardened (openai_body.py), checked and tokenized (openai_requests.py), routed by its

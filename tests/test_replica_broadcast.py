@@ -1,4 +1,4 @@
-"""The ingress's weights broadcaster (serve_deployments/weights_broadcaster.py) over the real ReplicaPool,
+"""The ingress's weights broadcaster (serve_deployments/replica_broadcast.py) over the real ReplicaPool,
 tested apart from Serve and vLLM: the replicas are fakes behind a fake DeploymentHandle's `broadcast`,
 the registry is a fake too (tests/_ingress_fakes.py). All-or-nothing loads with rollback, and failures
 caused by a lost replica raising a LostError that `is_lost` recognizes, also after Ray's wrapping and a
@@ -13,8 +13,8 @@ import ray.exceptions as rex
 
 from common.faults import LostError, is_lost
 from serve_deployments.replica_pool import ReplicaPool
-from serve_deployments.weight_transport import ReplicaError
-from serve_deployments.weights_broadcaster import (
+from serve_deployments.engine_weights import ReplicaError
+from serve_deployments.replica_broadcast import (
     AdapterLoadError,
     AdapterLoadLost,
     BroadcastError,

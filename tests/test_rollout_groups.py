@@ -1,4 +1,4 @@
-"""The ingress's rollout front (serve_deployments/rollout_front.py), tested apart from Serve and vLLM: a
+"""The ingress's rollout front (serve_deployments/rollout_groups.py), tested apart from Serve and vLLM: a
 fake replica pool answers the samples from a script (tests/_ingress_fakes.py), the registry is a fake
 too. Version pinning, a group as one call weighing its n samples, retries of a lost replica (and none of a
 refusal), the in-flight count.
@@ -13,8 +13,8 @@ import ray.exceptions as rex
 from common.faults import REPLICA_CALL, RetryPolicy
 from serve_deployments.admission import Admission
 from serve_deployments.replica import VersionExpiredError
-from serve_deployments.rollout_front import RolloutFront
-from serve_deployments.weight_transport import ReplicaError
+from serve_deployments.rollout_groups import RolloutFront
+from serve_deployments.engine_weights import ReplicaError
 from tests._ingress_fakes import FakePool, served_versions
 
 FAST = RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.01, deadline_s=10.0)

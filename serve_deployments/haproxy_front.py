@@ -1,4 +1,4 @@
-"""The REST front (`rollout.front_port`): HAProxy in front of the replicas' own REST ports.
+"""The HAProxy front (`rollout.front_port`): HAProxy in front of the replicas' own REST ports.
 
 Why: a request through Serve's port crosses two Python hops before the engine (Serve's HTTP proxy, then the
 Ingress, each relaying every streamed message): 0.5-0.6x vLLM's own server on 2 cores and on one H200

@@ -1,4 +1,4 @@
-"""The REST front (serve_deployments/rest_front.py): real HAProxy (the binary ray[serve] installs), in front of
+"""The REST front (serve_deployments/haproxy_front.py): real HAProxy (the binary ray[serve] installs), in front of
 stand-in replica servers.
 
 The stand-ins are small HTTP servers that answer with their own name: what is tested here is the front's own
@@ -17,7 +17,7 @@ import pytest
 
 from benchmarks._common import free_port
 from common.config import ConfigError
-from serve_deployments.rest_front import RestFront, render_config, replica_targets
+from serve_deployments.haproxy_front import RestFront, render_config, replica_targets
 
 
 class _Named(BaseHTTPRequestHandler):

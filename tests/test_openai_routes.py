@@ -1,6 +1,6 @@
 """The ingress's OpenAI REST front, tested apart from Serve and vLLM: bodies read and hardened
 (openai_body.py) from real Starlette requests, requests checked and tokenized (openai_requests.py) with
-the embedded tiny model's real tokenizer, and the front's flow (openai_front.py) over a fake replica
+the embedded tiny model's real tokenizer, and the front's flow (openai_routes.py) over a fake replica
 pool and a fake registry (tests/_ingress_fakes.py). The same paths against real replicas:
 tests/test_hostile_rest.py and tests/test_router_serve.py."""
 from __future__ import annotations
@@ -23,9 +23,9 @@ from serve_deployments.openai_body import (
     parse_body,
     read_body,
 )
-from serve_deployments.openai_front import OpenAIFront
+from serve_deployments.openai_routes import OpenAIFront
 from serve_deployments.openai_requests import RequestChecker
-from serve_deployments.weight_transport import ReplicaError
+from serve_deployments.engine_weights import ReplicaError
 from tests._ingress_fakes import ENGINE, FakePool, FakeStream, make_request, served_versions
 
 

@@ -1,4 +1,4 @@
-"""The weight transports (serve_deployments/weight_transport.py) against a fake engine: no vLLM, no Ray.
+"""The weight transports (serve_deployments/engine_weights.py) against a fake engine: no vLLM, no Ray.
 Real payloads of the tiny model (the ones the trainer publishes), so verification is the real one."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from serve_deployments.adapter_slots import AdapterSlots
-from serve_deployments.adapter_store import BaseModelShapes
-from serve_deployments.weight_transport import AdapterTransport, MergedTransport, ReplicaError, payload_kind
+from serve_deployments.adapter_files import BaseModelShapes
+from serve_deployments.engine_weights import AdapterTransport, MergedTransport, ReplicaError, payload_kind
 from tests._serve_helpers import make_lora_payload, make_merged_payload
 
 
@@ -81,7 +81,7 @@ def test_adapter_load_evict_and_refusals(tiny_model_dir, shapes, tmp_path):
 def test_fleet_runs_named_ids_never_reused(tiny_model_dir, shapes, tmp_path):
     """Two runs' policy-v1 side by side: own names, own LoRA ids (the run "" keeps id = version), a run
     evicts only its own; forgetting a run frees its ids for good (a later run of that name gets new ones)."""
-    from serve_deployments.weight_transport import FLEET_LORA_ID_START
+    from serve_deployments.engine_weights import FLEET_LORA_ID_START
 
     engine = FakeEngine()
     t = adapters(shapes, tmp_path, engine, capacity=4)

@@ -22,7 +22,7 @@ from pathlib import Path
 from common.adapter_io import AdapterError
 from common.types import adapter_name, lora_int_id, policy_name
 from serve_deployments.adapter_slots import AdapterKey, AdapterSlots, SlotsFullError
-from serve_deployments.adapter_store import (
+from serve_deployments.adapter_files import (
     BaseModelShapes,
     remove_dir,
     verify_adapter,
@@ -155,7 +155,7 @@ class MergedTransport:
         self.engine, self.shapes, self.scratch = engine, shapes, scratch
         self.version = 0
         self.sha256: str | None = None
-        self.lora_wrappers = 0  # LoRA-wrapped layers the last swap loaded around (weight_update.py)
+        self.lora_wrappers = 0  # LoRA-wrapped layers the last swap loaded around (merged_weights_extension.py)
 
     def holds(self, version: int, meta: dict) -> bool:
         """True when the engine already runs these weights (a tagged version carries the same digest)."""
