@@ -67,6 +67,7 @@ def cmd_train(argv: list[str]) -> int:
     from app.resume import ResumeError, prepare_resume
     from app.watch import StallError
     from common.config import ConfigError, load
+    from common.ray_connect import RayConnectError
 
     cfg = None
     try:
@@ -77,10 +78,10 @@ def cmd_train(argv: list[str]) -> int:
         else:
             cfg, resume = load(args.config, args.set), None
         if args.serve:
-            cfg.run.serve_after = True
+            cfg = cfg.replace(run={"serve_after": True})
         summary = driver.run(cfg, keep_serving=cfg.run.serve_after, progress=not args.no_progress,
                              verbose=args.verbose, resume=resume)
-    except (ConfigError, DataError, FileNotFoundError, ResumeError, FleetAttachError) as e:
+    except (ConfigError, DataError, FileNotFoundError, ResumeError, FleetAttachError, RayConnectError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (StallError, FleetLeaseLost) as e:  # incl. UnplaceableError, RestartsError: their line says how to resume
@@ -93,17 +94,20 @@ def cmd_train(argv: list[str]) -> int:
         return 130
     if summary.get("interrupted"):  # the driver said where it stopped and how to continue
         return 130
+    from pathlib import Path
+
+    run_dir = Path(summary["run_dir"])
     print(f"done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s; reward "
           f"{summary['reward_first_quarter']:.3f} (first quarter) -> "
           f"{summary['reward_last_quarter']:.3f} (last quarter); "
-          f"adapter {summary['adapter_dir']}; run dir {cfg.run_dir}")
+          f"adapter {summary['adapter_dir']}; run dir {run_dir}")
     if "eval/accuracy" in summary:
         print(f"eval: accuracy {summary['eval_first']:.3f} (step {summary['eval_first_step']}) -> "
               f"{summary['eval/accuracy']:.3f} (step {summary['eval/step']}) on {summary['eval/samples']} held-out "
               f"prompts of {cfg.eval.path}" + "".join(f", {k.removeprefix('eval/')} {v:.3f}" for k, v in summary.items()
                                                    if k.startswith("eval/pass@")))
-    print(f"plots: {cfg.run_dir / 'reward_curve.png'}; logs: {cfg.run_dir / 'logs'}; "
-          f"python -m app report {cfg.run_dir}")
+    print(f"plots: {run_dir / 'reward_curve.png'}; logs: {run_dir / 'logs'}; "
+          f"python -m app report {run_dir}")
     if cfg.run.serve_after:
         import time
 
@@ -126,11 +130,11 @@ def cmd_validate(argv: list[str]) -> int:
         cfg = load(args.config, args.set)
         from app.preflight import preflight
 
-        rows = preflight(cfg)
+        cfg, rows = preflight(cfg)
     except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"ok: {len(rows)} prompts, model {cfg.model.path}, sync {cfg.sync.mode}, max_loras {cfg.max_loras}")
+    print(f"ok: {len(rows)} prompts, model {cfg.model.path}, sync {cfg.sync.mode}, max_loras {cfg.replica_slots}")
     return 0
 
 
@@ -170,6 +174,7 @@ def cmd_serve(argv: list[str]) -> int:
     from app.service import serve_policy
     from common.adapter_io import AdapterError
     from common.config import ConfigError
+    from common.ray_connect import RayConnectError
 
     sets = list(args.set) + [f"model.path={args.model}", "model.build_tiny=false"]
     if args.replicas is not None:
@@ -181,7 +186,11 @@ def cmd_serve(argv: list[str]) -> int:
     except (ConfigError, AdapterError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    serve_policy(cfg, payload, args.adapter, args.address)
+    try:
+        serve_policy(cfg, payload, args.adapter, args.address)
+    except RayConnectError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -233,6 +242,7 @@ def cmd_eval(argv: list[str]) -> int:
     from app.evaluate import eval_rows, evaluate_service
     from common.adapter_io import AdapterError
     from common.config import ConfigError
+    from common.ray_connect import RayConnectError
 
     sets = list(args.set) + [f"model.path={args.model}", "model.build_tiny=false", f"eval.path={args.data}",
                              "rollout.workers=1"]
@@ -246,7 +256,11 @@ def cmd_eval(argv: list[str]) -> int:
     except (ConfigError, AdapterError, DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    metrics = evaluate_service(cfg, rows, payload, verbose=args.verbose)
+    try:
+        metrics = evaluate_service(cfg, rows, payload, verbose=args.verbose)
+    except RayConnectError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     what = f"{args.adapter} on {args.model}" if args.adapter else args.model
     if args.json:
         print(json.dumps(metrics))

@@ -62,10 +62,10 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, v
     if cfg.run.fleet:  # the run's rollouts go to its fleet's app
         from common.names import fleet_app
 
-        cfg.rollout.app_name = fleet_app(cfg.run.fleet)
+        cfg = cfg.replace(rollout={"app_name": fleet_app(cfg.run.fleet)})
     use_run_namespace(cfg)
-    rows = preflight(cfg)
-    run_dir = make_run_dir(cfg, resume)
+    cfg, rows = preflight(cfg)
+    cfg, run_dir = make_run_dir(cfg, resume)
     console.attach_file(run_dir / "logs")
     if resume is not None:
         logger.info("resume: %s from %s (step %d, version %d)", run_dir, resume.checkpoint.relative_to(run_dir),
@@ -121,7 +121,7 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, v
             evals.finish(watch.last_step, watch.rows[-1].get("version"))
         summary = finish_run(cfg, outcome.checked_result(), actors, evals, started)
         status, keep = "FINISHED", keep_serving
-        return summary
+        return {**summary, "run_dir": str(run_dir)}  # preflight may have renamed it (NAME-k)
     finally:
         actors.teardown(cfg, status, keep)
 

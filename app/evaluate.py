@@ -11,7 +11,6 @@ code once on a base model or a saved adapter (`evaluate_service`).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 
 import ray
@@ -33,7 +32,7 @@ def eval_rows(cfg: Config, path: str | None = None, samples: int | None = None) 
     from app.data import load_prompts
 
     count = samples or cfg.eval.samples
-    return load_prompts(dataclasses.replace(cfg.data, path=path or cfg.eval.path, builtin_size=count))[:count]
+    return load_prompts(cfg.data.replace(path=path or cfg.eval.path, builtin_size=count))[:count]
 
 
 def score_eval(greedy: list[float], sampled: list[list[float]] | None = None, k: int = 1) -> dict:
@@ -180,7 +179,7 @@ def evaluate_service(cfg: Config, rows: list[dict], payload=None, verbose: bool 
     from common.registry import get_or_create_registry
     from serve_deployments.app_builder import start_with_adapter, wait_healthy
 
-    cfg.model.path = str(Path(cfg.model.path).resolve())
+    cfg = cfg.replace(model={"path": str(Path(cfg.model.path).resolve())})
     started = not ray.is_initialized()
     console = Console(None, verbose)
     init_ray(cfg, verbose=verbose)

@@ -45,14 +45,12 @@ def _state(name: str):
 
 def _join_cluster(address: str | None) -> None:
     """Join a running cluster: a fleet outlives this process, so it must not live in a Ray started here."""
-    import ray
+    from common.ray_connect import RayConnectError, connect_ray
 
-    address = address or os.environ.get("RAY_ADDRESS") or "auto"
     try:
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, logging_level=logging.ERROR)
-    except ConnectionError as e:
-        raise FleetAttachError(f"no Ray cluster to hold the fleet ({e}); start one with `ray start --head`, or "
-                               "pass --address") from None
+        connect_ray(address, start_local=False, log_to_driver=False, logging_level=logging.ERROR)
+    except RayConnectError as e:
+        raise FleetAttachError(f"the fleet needs a running Ray cluster: {e}") from None
 
 
 # ---------------------------------------------------------------------- up / status / down
@@ -64,18 +62,14 @@ def fleet_up(cfg: Config, name: str, slots: int, lease_s: float, admin_token: st
     import ray
     from ray import serve
 
+    from common.config import ConfigError, fleet_problems
     from common.names import NAMESPACE, REGISTRY_NAME, fleet_app
     from common.placement import on_driver_node
     from serve_deployments.app_builder import build_app, wait_healthy
     from serve_deployments.fleet_state import FleetState, digest, new_token
 
-    if cfg.rollout.front_port is not None:
-        from common.config import ConfigError
-
-        # The front is a child of the process that starts it, and `fleet up` returns while the fleet stays up.
-        raise ConfigError(["rollout.front_port: a fleet has no REST front yet (it would end when `fleet up` "
-                           "returns); clients can use the replicas' own ports (rollout.replica_http_port), "
-                           "listed by `fleet status`"])
+    if problems := fleet_problems(cfg):
+        raise ConfigError(problems)
     _join_cluster(address)
     app = fleet_app(name)
     try:
@@ -239,7 +233,7 @@ class FleetLease:
         meta = {"out_dir": str(self.cfg.run_dir), "pid": os.getpid()}
         while True:
             try:
-                out = ray.get(state.attach.remote(admin, self.run, self.cfg.min_loras, self.cfg.run.fleet_weight,
+                out = ray.get(state.attach.remote(admin, self.run, self.cfg.adapter_slots, self.cfg.run.fleet_weight,
                                                   self.cfg.lora.rank, meta))
                 break
             except FleetError as e:

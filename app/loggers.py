@@ -10,18 +10,18 @@ of the row (bools as 0/1; `step` is the x axis, not a series) under the same nam
   `WANDB_API_KEY` is set (or `WANDB_MODE` says otherwise).
 
 Install the optional ones with `pip install -e '.[tracking]'` (tensorboard, mlflow-skinny) or
-`'.[wandb]'`. `missing_packages` gives the message config validation gives for a missing one.
+`'.[wandb]'`. A missing one fails config validation (common.config.missing_loggers, whose message a
+backend that cannot import repeats).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 from pathlib import Path
 from typing import Protocol
 
-from common.config import LOGGER_PACKAGES
+from common.config import LOGGER_PACKAGES, missing_loggers
 
 LOGGER_NAMES = tuple(LOGGER_PACKAGES)
 
@@ -30,17 +30,6 @@ class Logger(Protocol):
     def log(self, step: int, row: dict) -> None: ...
 
     def close(self) -> None: ...
-
-
-def missing_packages(names: list[str]) -> list[str]:
-    """One message per requested logger whose package is not importable (as config validation says it)."""
-    out = []
-    for name in names:
-        mods, extra = LOGGER_PACKAGES.get(name, ((), ""))
-        if mods and not any(importlib.util.find_spec(m) is not None for m in mods):
-            out.append(f"run.loggers: {name} needs the `{mods[0]}` package, which is not installed: "
-                       f"pip install -e '.[{extra}]' (or pip install {mods[0]})")
-    return out
 
 
 def numeric(row: dict) -> dict[str, float]:
@@ -83,7 +72,7 @@ class TensorBoardLogger:
             try:
                 from tensorboardX import SummaryWriter
             except ImportError as e:
-                raise ImportError(missing_packages(["tensorboard"])[0]) from e
+                raise ImportError(missing_loggers(["tensorboard"])[0]) from e
         self.log_dir = Path(log_dir)
         self.writer = SummaryWriter(log_dir=str(self.log_dir))
 
@@ -103,7 +92,7 @@ class MlflowLogger:
         try:
             from mlflow.tracking import MlflowClient
         except ImportError as e:
-            raise ImportError(missing_packages(["mlflow"])[0]) from e
+            raise ImportError(missing_loggers(["mlflow"])[0]) from e
         if tracking_uri.startswith("file:") or "://" not in tracking_uri:
             # MLflow 3 keeps the file store in maintenance mode behind this switch; it is the backend
             # that needs no database packages (mlflow-skinny ships no SQLAlchemy).
@@ -138,7 +127,7 @@ class WandbLogger:
         try:
             import wandb
         except ImportError as e:
-            raise ImportError(missing_packages(["wandb"])[0]) from e
+            raise ImportError(missing_loggers(["wandb"])[0]) from e
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         self.run = wandb.init(project=project, name=run_name, dir=str(run_dir), mode=mode, config=config or {},
                               settings=wandb.Settings(silent=True),  # the console belongs to the progress bar

@@ -14,21 +14,21 @@ from common.config import Config, ConfigError, needs_merge
 logger = logging.getLogger("app")
 
 
-def preflight(cfg: Config) -> list[dict]:
+def preflight(cfg: Config) -> tuple[Config, list[dict]]:
     """Everything that can fail before an actor starts: model dir, data and columns, target modules.
-    Returns the training prompts."""
+    Returns the config to run (merge sync where vLLM cannot serve the adapter) and the training prompts."""
     from app.data import load_prompts
     from app.tiny_model import ensure_model
 
     if (reason := needs_merge(cfg)) and cfg.sync.mode == "adapter":
         logger.warning("sync.mode=adapter but %s: falling back to merge mode (full weights each publish)", reason)
-        cfg.sync.mode = "merge"
+        cfg = cfg.replace(sync={"mode": "merge"})
     ensure_model(cfg.model.path, cfg.model.build_tiny, cfg.model.tiny_seed, cfg.model.tiny_shape)
     rows = load_prompts(cfg.data)
     check_target_modules(cfg)
     if cfg.env.cls:
         check_episodes(cfg, rows[0])
-    return rows
+    return cfg, rows
 
 
 def check_episodes(cfg: Config, row: dict) -> None:
@@ -63,23 +63,24 @@ def check_target_modules(cfg: Config) -> None:
     check(model, cfg.lora.target_modules)
 
 
-def make_run_dir(cfg: Config, resume: Resume | None) -> Path:
-    """RUN_DIR (run.out_dir/run.name) with the run's config.yaml. A fresh run never writes into an earlier
-    run's directory: it takes the next free `NAME-k` and says so; a resumed run continues its own. Paths
-    become absolute first: actors and replicas run in other working directories."""
-    cfg.model.path = str(Path(cfg.model.path).resolve())
-    cfg.run.out_dir = str(Path(cfg.run.out_dir).resolve())
+def make_run_dir(cfg: Config, resume: Resume | None) -> tuple[Config, Path]:
+    """RUN_DIR (run.out_dir/run.name) with the run's config.yaml; returns the config as written there and
+    RUN_DIR. A fresh run never writes into an earlier run's directory: it takes the next free `NAME-k` and
+    says so; a resumed run continues its own. Paths become absolute first: actors and replicas run in other
+    working directories."""
+    cfg = cfg.replace(model={"path": str(Path(cfg.model.path).resolve())},
+                      run={"out_dir": str(Path(cfg.run.out_dir).resolve())})
     if resume is None:
         base, attempt = cfg.run.name, 1
         while cfg.run_dir.exists():
             attempt += 1
-            cfg.run.name = f"{base}-{attempt}"
+            cfg = cfg.replace(run={"name": f"{base}-{attempt}"})
         if attempt > 1:
             logger.warning("run dir %s exists: this run writes to %s", Path(cfg.run.out_dir) / base, cfg.run_dir)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=resume is not None)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    return run_dir
+    return cfg, run_dir
 
 
 def check_fits(cfg: Config) -> None:

@@ -75,7 +75,7 @@ def prepare_resume(run_dir: str | Path, sets: list[str] | None = None) -> tuple[
     if (resolved / "summary.json").is_file():
         raise ResumeError(f"--resume {run_dir}: the run finished (summary.json); nothing to resume")
     cfg = load(str(resolved / "config.yaml"), list(sets or []))
-    cfg.run.out_dir, cfg.run.name = str(resolved.parent), resolved.name
+    cfg = cfg.replace(run={"out_dir": str(resolved.parent), "name": resolved.name})
     found = find_checkpoint(resolved, cfg.train.num_workers)
     if found is None:
         raise ResumeError(f"--resume {run_dir}: no complete checkpoint to resume from (the run stopped before "

@@ -63,7 +63,7 @@ def start_run_actors(cfg: Config, rows: list[dict], resume: Resume | None) -> Ru
 
     here = on_driver_node()
     namespace = run_namespace_of(cfg)  # a fleet run's actors: a namespace of their own beside the other runs'
-    registry = get_or_create_registry(keep=cfg.sync.max_staleness + 1, namespace=namespace, **here)
+    registry = get_or_create_registry(keep=cfg.sync.live_versions, namespace=namespace, **here)
     metrics = RunMetrics.options(name=METRICS_NAME, namespace=namespace, **here).remote(
         str(cfg.run_dir), cfg.run.name, tracking=tracking_options(cfg),
         resume_step=resume.step if resume is not None else None)

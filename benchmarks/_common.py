@@ -110,19 +110,10 @@ def small_config(model_dir, replicas: int = 1, max_staleness: int = 1, max_loras
     512-token context, 16 sequences per engine); extra keywords set `rollout.*` keys."""
     from common.config import Config
 
-    cfg = Config()
-    cfg.model.path = str(model_dir)
-    cfg.model.dtype = "float32"
-    cfg.model.max_model_len = 512
-    cfg.rollout.replicas = replicas
-    cfg.rollout.cpus_per_replica = cpus_per_replica
-    cfg.rollout.max_num_seqs = 16
-    cfg.rollout.max_lora_rank = max_lora_rank
-    for k, v in rollout.items():
-        setattr(cfg.rollout, k, v)
-    cfg.sync.max_staleness = max_staleness
-    cfg.sync.max_loras = max_loras
-    return cfg
+    return Config(model={"path": str(model_dir), "dtype": "float32", "max_model_len": 512},
+                  rollout={"replicas": replicas, "cpus_per_replica": cpus_per_replica, "max_num_seqs": 16,
+                           "max_lora_rank": max_lora_rank, **rollout},
+                  sync={"max_staleness": max_staleness, "max_loras": max_loras})
 
 
 def delete_app(name: str) -> None:

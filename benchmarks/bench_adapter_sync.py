@@ -93,9 +93,8 @@ def full_path(args, model_dir: Path, registry, http_port: int) -> list[dict]:
         rows.append(row)
         cfg = small_config(model_dir, replicas=R, cpus_per_replica=args.cpus_per_replica, max_lora_rank=args.rank,
                            kv_cache_gib=args.kv_cache_gib, max_num_seqs=8)
-        cfg.rollout.http_port = http_port
-        cfg.rollout.app_name = f"adapter-sync-r{R}"
-        cfg.router.policy = "prefix"
+        cfg = cfg.replace(rollout={"http_port": http_port, "app_name": f"adapter-sync-r{R}"},
+                          router={"policy": "prefix"})
         retire_all(registry)  # new replicas start with nothing to load
         t0 = time.perf_counter()
         try:

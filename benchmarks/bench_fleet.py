@@ -609,7 +609,7 @@ def main(argv=None) -> int:
                     f"least {GPU_STEP} of the one GPU and fit on it together; fewer runs (--ks) or a smaller "
                     "--gpu-fraction")
         cfg = C.load(str(recipe), gpu_sets(fraction) + args.set)
-    slots_per_run = cfg.sync.max_staleness + 2  # no evaluation in these runs
+    slots_per_run = cfg.adapter_slots
     slots = args.slots or slots_per_run * max(ks)
     if slots < slots_per_run * max(ks):
         p.error(f"--slots {slots}: {max(ks)} runs need {slots_per_run} adapter slots each")

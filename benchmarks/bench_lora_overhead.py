@@ -34,18 +34,14 @@ MODES = ("base", "one_adapter", "mixed_adapters")
 def _config(model_dir, args):
     from common.config import Config
 
-    cfg = Config()
-    cfg.model.path = str(model_dir)
-    cfg.model.dtype = "float32"
-    cfg.model.max_model_len = 512
-    cfg.rollout.replicas = 1
-    cfg.rollout.cpus_per_replica = float(args.threads)
-    cfg.rollout.max_num_seqs = max(args.prompts, 16)  # one batch holds every prompt
-    cfg.rollout.max_lora_rank = args.rank
-    cfg.rollout.kv_cache_gib = args.kv_cache_gib
-    cfg.sync.max_loras = args.max_loras
-    cfg.sync.max_staleness = min(cfg.sync.max_staleness, args.max_loras - 2)
-    return cfg
+    staleness = Config().sync.max_staleness
+    while Config(sync={"max_staleness": staleness}).adapter_slots > args.max_loras:  # max_loras is the bound
+        staleness -= 1
+    return Config(model={"path": str(model_dir), "dtype": "float32", "max_model_len": 512},
+                  rollout={"replicas": 1, "cpus_per_replica": float(args.threads),
+                           "max_num_seqs": max(args.prompts, 16),  # one batch holds every prompt
+                           "max_lora_rank": args.rank, "kv_cache_gib": args.kv_cache_gib},
+                  sync={"max_loras": args.max_loras, "max_staleness": staleness})
 
 
 def _prompts(model_dir, n: int) -> list[list[int]]:

@@ -114,11 +114,9 @@ def start(args, model_dir: Path, registry, port: int, name: str):
     policy, skip_generic = POLICIES[name]
     cfg = small_config(model_dir, replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
                        kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs)
-    cfg.model.max_model_len = args.max_model_len
-    cfg.rollout.http_port = port
-    cfg.rollout.app_name = app_name(name)
-    cfg.router.policy = policy
-    cfg.router.skip_generic = skip_generic
+    cfg = cfg.replace(model={"max_model_len": args.max_model_len},
+                      rollout={"http_port": port, "app_name": app_name(name)},
+                      router={"policy": policy, "skip_generic": skip_generic})
     handle = app_builder.start_service(cfg, registry=registry)
     app_builder.wait_healthy(handle, timeout_s=args.start_timeout)
     return cfg, handle

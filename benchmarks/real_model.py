@@ -182,7 +182,6 @@ def baseline(args, cfg, command: str) -> dict:
     --system-prompt variant), as the run's evaluation scores it (same rendering, reward and max_new_tokens),
     through one vLLM engine with the replica's settings; then the trainer's PEFT model (adapter at init)
     against vLLM's logprobs of sampled completions, its LM head as model.fp32_head says and the other way."""
-    import dataclasses
     import statistics
 
     import torch
@@ -205,7 +204,7 @@ def baseline(args, cfg, command: str) -> dict:
     results = []
     for path in _difficulties(cfg.eval.path):
         for sp in variants:
-            data = dataclasses.replace(cfg.data, path=path, builtin_size=args.samples, few_shot=sp)
+            data = cfg.data.replace(path=path, builtin_size=args.samples, few_shot=sp)
             rows = load_prompts(data)[:args.samples]
             prompts = [render_prompt(r, tok, data) for r in rows]
             t = time.time()
@@ -227,7 +226,7 @@ def baseline(args, cfg, command: str) -> dict:
             results.append(res)
 
     # Trainer vs engine: the PEFT model (LoRA B = 0, so the base) scores vLLM's sampled tokens.
-    data = dataclasses.replace(cfg.data, path=cfg.eval.path, builtin_size=8)
+    data = cfg.data.replace(path=cfg.eval.path, builtin_size=8)
     prompts = [render_prompt(r, tok, data) for r in load_prompts(data)[:8]]
     sampled = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                            SamplingParams(temperature=1.0, max_tokens=48, logprobs=0, seed=1), use_tqdm=False)
@@ -237,12 +236,10 @@ def baseline(args, cfg, command: str) -> dict:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     trainers = {"as configured": cfg}
     if dev == "cuda":
-        off = dataclasses.replace(cfg.train, liger_kernels="off")
-        trainers["liger off"] = dataclasses.replace(cfg, train=off)
-        trainers["liger off, fused_lora off"] = dataclasses.replace(
-            cfg, train=dataclasses.replace(off, fused_lora=False))
+        trainers["liger off"] = cfg.replace(train={"liger_kernels": "off"})
+        trainers["liger off, fused_lora off"] = cfg.replace(train={"liger_kernels": "off", "fused_lora": False})
     # float32: the precision floor: how far each bf16 side (engine, trainer) is from the same model in fp32.
-    trainers["float32"] = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"))
+    trainers["float32"] = cfg.replace(model={"dtype": "float32"})
     gap: dict[str, dict] = {}
     per_token: dict[str, list[float]] = {}
     for name, tcfg in trainers.items():

@@ -105,10 +105,9 @@ def service_config(model: Path, gpus: int):
     """The one Config both sides' engines come from: one replica of `model`, the benchmark's LoRA rank."""
     cfg = small_config(model, replicas=1, max_lora_rank=WORKLOAD["lora_rank"])
     if gpus:
-        cfg.model.dtype, cfg.model.max_model_len = "bfloat16", 2048
-        cfg.train.use_gpu = True
-        cfg.rollout.gpus_per_replica, cfg.rollout.gpu_memory_utilization = 1, 0.4
-        cfg.rollout.enforce_eager, cfg.rollout.max_num_seqs = False, 256
+        cfg = cfg.replace(model={"dtype": "bfloat16", "max_model_len": 2048}, train={"use_gpu": True},
+                          rollout={"gpus_per_replica": 1, "gpu_memory_utilization": 0.4, "enforce_eager": False,
+                                   "max_num_seqs": 256})
     return cfg
 
 
@@ -276,8 +275,7 @@ def start_rest(cfg, payload, before_deploy=None, progress=log, direct_ingress: b
                                        "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     # Picked after Ray's own agents bound theirs. Under direct ingress the (idle) proxy keeps this one, and
     # the Ingress must not ask for it: it would fail to bind and Serve would block the port.
-    cfg.rollout.http_port = free_port()
-    cfg.rollout.replica_http_port = 0
+    cfg = cfg.replace(rollout={"http_port": free_port(), "replica_http_port": 0})
     registry = get_or_create_registry()
     if before_deploy is not None:
         before_deploy()
@@ -292,7 +290,7 @@ def start_rest(cfg, payload, before_deploy=None, progress=log, direct_ingress: b
     if front:
         from serve_deployments.haproxy_front import start_front
 
-        cfg.rollout.front_port = 0
+        cfg = cfg.replace(rollout={"front_port": 0})
         try:
             watch = start_front(cfg, handle)
         except (OSError, RuntimeError) as e:  # no HAProxy here: the other sides are still worth measuring

@@ -37,7 +37,7 @@ def router_config(cfg: Config) -> RequestRouterConfig | None:
 def build_app(cfg: Config, registry_name: str, registry_namespace: str, fleet: str | None = None,
               admin_token: str | None = None) -> serve.Application:
     """The app: the ingress in front of rollout.replicas vLLM replicas. A fleet's (`fleet` NAME) serves every
-    attached run's adapters in `cfg.max_loras` slots per replica, and its admin token is the fleet's."""
+    attached run's adapters in `cfg.replica_slots` slots per replica, and its admin token is the fleet's."""
     from serve_deployments.engine_config import engine_kwargs, replica_options, tool_parser_option
     from serve_deployments.replica import RolloutReplica
 
@@ -45,8 +45,8 @@ def build_app(cfg: Config, registry_name: str, registry_namespace: str, fleet: s
     rrc = router_config(cfg)
     if rrc is not None:
         opts["request_router_config"] = rrc
-    replica = RolloutReplica.options(**opts).bind(engine_kwargs(cfg), registry_name, registry_namespace, cfg.max_loras,
-                                                  tool_parser=tool_parser_option(cfg),
+    replica = RolloutReplica.options(**opts).bind(engine_kwargs(cfg), registry_name, registry_namespace,
+                                                  cfg.replica_slots, tool_parser=tool_parser_option(cfg),
                                                   stream_interval_ms=cfg.rollout.stream_interval_ms,
                                                   http=replica_http_options(cfg),
                                                   **({"fleet": fleet} if fleet else {}))

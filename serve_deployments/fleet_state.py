@@ -123,8 +123,9 @@ class FleetState:
         used = self.used_slots()
         if used + slots > self.capacity:
             raise FleetError(
-                f"fleet {self.fleet} is full: run {run} needs {slots} adapter slots (max_staleness + 2, + 1 with "
-                f"eval), {self.capacity - used} of {self.capacity} are free ({len(self._runs)} runs use {used}); "
+                f"fleet {self.fleet} is full: run {run} needs {slots} adapter slots (its live versions, one to swap in "
+                f"the next, one more with eval.path), "
+                f"{self.capacity - used} of {self.capacity} are free ({len(self._runs)} runs use {used}); "
                 "wait for a run to finish (app train --wait) or start the fleet with more (sync.max_loras)", 409)
         token = new_token()
         self._runs[run] = {"token_sha": digest(token), "slots": slots, "weight": float(weight),

@@ -66,12 +66,11 @@ def small_config(model_dir, replicas: int = 1, **kw):
     """benchmarks._common.small_config; with LORA_GRPO_TEST_GPU=1 the same suites on a GPU machine."""
     cfg = _small_config(model_dir, replicas=replicas, **kw)
     if os.environ.get("LORA_GRPO_TEST_GPU") == "1":  # (vllm 0.25.1)
-        cfg.train.use_gpu = True
         # A GPU each when there are enough (two engines profiling one device at once failed to deploy
         # on vllm 0.25.1); otherwise shares of one.
         share = 1.0 if torch.cuda.device_count() >= replicas else round(0.9 / replicas, 3)
-        cfg.rollout.gpus_per_replica = share
-        cfg.rollout.gpu_memory_utilization = 0.4 if share == 1.0 else round(0.8 / replicas, 3)
+        cfg = cfg.replace(train={"use_gpu": True}, rollout={
+            "gpus_per_replica": share, "gpu_memory_utilization": 0.4 if share == 1.0 else round(0.8 / replicas, 3)})
     return cfg
 
 
@@ -116,7 +115,7 @@ def deploy_replicas(cfg, app_name: str = "replicas-test"):
     from serve_deployments.replica import RolloutReplica
 
     app = RolloutReplica.options(**replica_options(cfg)).bind(engine_kwargs(cfg), REGISTRY_NAME, NAMESPACE,
-                                                              cfg.max_loras)
+                                                              cfg.replica_slots)
     return serve.run(app, name=app_name, route_prefix=None)
 
 

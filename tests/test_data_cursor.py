@@ -266,8 +266,7 @@ def test_resume_refuses_with_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --resume") and "not a run directory" in err and "\n" not in err
     run.mkdir()
-    cfg = Config()
-    cfg.train.num_workers, cfg.train.total_steps = 1, 6
+    cfg = Config(train={"num_workers": 1, "total_steps": 6})
     (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
     assert main(["train", "--resume", str(run)]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err

@@ -84,7 +84,7 @@ def fleet(serve_env):
         f.publish(run, 1)
     cfg = small_config(serve_env.model_dir, replicas=1, max_staleness=1, max_loras=4, max_lora_rank=8)
     app = RolloutReplica.options(**replica_options(cfg)).bind(engine_kwargs(cfg), REGISTRY_NAME, NAMESPACE,
-                                                              cfg.max_loras, fleet=FLEET)
+                                                              cfg.replica_slots, fleet=FLEET)
     f.handle = serve.run(app, name=APP, route_prefix=None)
     yield f
     serve.delete(APP)

@@ -22,7 +22,7 @@ def test_auto_on_cpu_patches_nothing():
     assert apply_liger(m, cfg, on_gpu=False) == "off (CPU)"
     assert all("forward" not in vars(mod) for mod in m.modules())  # no instance-bound forward
     assert forwards == {n: type(mod).forward for n, mod in m.named_modules()}
-    cfg.train.liger_kernels = "off"
+    cfg = cfg.replace(train={"liger_kernels": "off"})
     assert apply_liger(m, cfg, on_gpu=True) == "off"
     # the budget's estimate follows the status: nothing patched here, so HF's layers are counted
     assert not liger_applied(apply_liger(m, cfg, on_gpu=True)) and not liger_applied("off (CPU)")

@@ -165,7 +165,7 @@ def test_targets_come_from_the_ingress_stats_and_render_as_servers():
 @pytest.mark.parametrize("sets, needle", [
     (["rollout.front_port=9100"], "set rollout.replica_http_port"),
     (["rollout.front_port=8000", "rollout.replica_http_port=0"], "is Serve's rollout.http_port"),
-    (["rollout.front_port=70000", "rollout.replica_http_port=0"], "must be a TCP port"),
+    (["rollout.front_port=70000", "rollout.replica_http_port=0"], r"must be in \[0, 65535\] or null, got 70000"),
     (["rollout.front_port=0", "rollout.replica_http_port=0", "rollout.proxy_location=Disabled"],
      "must not be Disabled"),
 ])

@@ -46,7 +46,7 @@ def svc(serve_env):
     retire_all(serve_env.registry)
     cfg = small_config(serve_env.model_dir, replicas=1, max_staleness=1, cpus_per_replica=1.0,
                        max_inflight_per_replica=1, max_body_bytes=MAX_BODY, replica_http_port=0)
-    cfg.rollout.app_name, cfg.rollout.http_port, cfg.rollout.admin_token = APP, serve_env.http_port, TOKEN
+    cfg = cfg.replace(rollout={"app_name": APP, "http_port": serve_env.http_port, "admin_token": TOKEN})
     url = f"http://127.0.0.1:{serve_env.http_port}"
     polls: list[tuple[int, int | None]] = []  # (health status, policy-v1 status when health was 200)
     stop = threading.Event()
@@ -75,7 +75,7 @@ def svc(serve_env):
     finally:
         stop.set()
     direct = handle.stats.remote().result()["replicas"][0]["http_url"].removesuffix("/v1")
-    cfg.rollout.front_port = 0
+    cfg = cfg.replace(rollout={"front_port": 0})
     front = start_front(cfg, handle)
     yield {"handle": handle, "url": url, "direct_url": direct, "front_url": front.front.url.removesuffix("/v1"),
            "v1": version, "sha1": payload[1]["sha256"], "polls": polls, "cfg": cfg}

@@ -1,7 +1,6 @@
 """The policy-loss registry (train_loops/losses.py): each loss against numbers written out by hand on
 small tensors, and, for every loss, gradients summed over unequal micro-batches (and two "ranks") equal
 the whole batch's gradient."""
-import dataclasses
 import math
 import typing
 
@@ -129,7 +128,8 @@ def test_dr_grpo_divides_token_sums_by_a_constant():
 def test_gspo_sequence_ratio_and_sequence_clipping():
     s0 = math.exp((0.2 - 0.5 + 0.0) / 3)  # 0.905: A > 0, the lower bound does not bind -> unclipped
     s1 = math.exp((-0.5 + 0.3) / 2)  # 0.905 < 1 - 3e-4 with A < 0 -> the whole sequence is clipped
-    opts = GRPOConfig(gspo_clip_eps_low=3e-4, gspo_clip_eps_high=4e-4, loss_agg="token-sum-ignored")
+    # model_construct skips validation: a loss_agg no config could hold, to show gspo never reads it
+    opts = GRPOConfig.model_construct(gspo_clip_eps_low=3e-4, gspo_clip_eps_high=4e-4, loss_agg="token-sum-ignored")
     loss, grad, stats = run("gspo", opts, td=99.0, sd=2.0)
     row0 = -min(s0 * 1.0, min(max(s0, 1 - 3e-4), 1 + 4e-4) * 1.0)
     row1 = -min(s1 * -0.5, min(max(s1, 1 - 3e-4), 1 + 4e-4) * -0.5)
@@ -175,7 +175,7 @@ def test_dapo_clip_higher_and_token_mean():
 def test_kl_is_added_per_token_in_each_losses_reduction(name):
     opts = GRPOConfig(kl_coef=0.1, clip_eps_low=0.2, clip_eps_high=0.3, max_new_tokens=4)
     with_kl, _, stats = run(name, opts, td=5.0, sd=2.0, kl=True)
-    without, _, _ = run(name, dataclasses.replace(opts, kl_coef=0.0), td=5.0, sd=2.0)
+    without, _, _ = run(name, opts.replace(kl_coef=0.0), td=5.0, sd=2.0)
     kl = {bj: k3(*bj) for bj in REAL}
     agg = {"grpo": sum(kl.values()) / 5, "cispo": sum(kl.values()) / 5, "dapo": sum(kl.values()) / 5,
            "dr_grpo": sum(kl.values()) / (4 * 2),

@@ -51,8 +51,8 @@ def service(serve_env):  # gone before the run test: a run's app takes Serve's r
 
     retire_all(serve_env.registry)
     cfg = small_config(serve_env.model_dir, replicas=2, max_staleness=1)
-    cfg.rollout.app_name, cfg.rollout.http_port = APP, serve_env.http_port
-    cfg.env.cls, cfg.env.max_turns, cfg.grpo.max_new_tokens = "tests.test_episodes:Feedback", 4, 6
+    cfg = cfg.replace(rollout={"app_name": APP, "http_port": serve_env.http_port},
+                      env={"cls": "tests.test_episodes:Feedback", "max_turns": 4}, grpo={"max_new_tokens": 6})
     handle = start_service(cfg, registry=serve_env.registry)
     try:
         wait_healthy(handle, timeout_s=300)

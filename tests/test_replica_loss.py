@@ -183,7 +183,7 @@ def test_generate_group_survives_replica_sigkill(serve_env):
 
     retire_all(serve_env.registry)
     cfg = small_config(serve_env.model_dir, replicas=2, max_staleness=1, cpus_per_replica=1.0)
-    cfg.rollout.app_name, cfg.rollout.http_port = APP, serve_env.http_port
+    cfg = cfg.replace(rollout={"app_name": APP, "http_port": serve_env.http_port})
     handle = start_service(cfg, registry=serve_env.registry)
     try:
         wait_healthy(handle, timeout_s=240)
@@ -248,7 +248,7 @@ def test_rollout_groups_survive_ingress_kill(serve_env):
 
     retire_all(serve_env.registry)
     cfg = small_config(serve_env.model_dir, replicas=1, max_staleness=1, cpus_per_replica=1.0)
-    cfg.rollout.app_name, cfg.rollout.http_port = APP, serve_env.http_port
+    cfg = cfg.replace(rollout={"app_name": APP, "http_port": serve_env.http_port})
     handle = start_service(cfg, registry=serve_env.registry)
     try:
         wait_healthy(handle, timeout_s=240)

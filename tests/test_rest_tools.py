@@ -144,8 +144,7 @@ def test_tool_parser_is_checked_at_start(tokenizer):
         check_tool_parser("hermse")
     # Before Serve starts anything: a replica's own check would surface only as "Failed to update the
     # deployments" (the reason in its log).
-    cfg = small_config("/nonexistent/model")  # binding the app reads no model file
-    cfg.rollout.tool_parser = "hermse"
+    cfg = small_config("/nonexistent/model", tool_parser="hermse")  # binding the app reads no model file
     with pytest.raises(ConfigError, match=r"rollout.tool_parser: 'hermse'"):
         build_app(cfg, "registry", "namespace")
     # mistral's parser needs its [TOOL_CALLS] token, which the character-level tokenizer lacks.
@@ -181,7 +180,7 @@ def svc(serve_env):
 
     retire_all(serve_env.registry)
     cfg = small_config(serve_env.model_dir, replicas=1, cpus_per_replica=1.0)
-    cfg.rollout.app_name, cfg.rollout.http_port = APP, serve_env.http_port
+    cfg = cfg.replace(rollout={"app_name": APP, "http_port": serve_env.http_port})
     assert cfg.rollout.tool_parser == "hermes"  # the default is what runs here
     handle, version = start_with_adapter(cfg, serve_env.registry, make_lora_payload(serve_env.model_dir, seed=3))
     wait_healthy(handle, timeout_s=240)

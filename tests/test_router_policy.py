@@ -223,9 +223,9 @@ def test_router_config_per_policy():
     assert router_config(cfg).request_router_class.endswith(":PolicyRouter")
     assert routing_options(cfg) == {"policy": "prefix", "imbalance": 8, "max_tracked_blocks": 100_000,
                                     "skip_generic": True}
-    cfg.router.policy, cfg.router.skip_generic = "round_robin", False
+    cfg = cfg.replace(router={"policy": "round_robin", "skip_generic": False})
     assert routing_options(cfg)["policy"] == "round_robin" and not routing_options(cfg)["skip_generic"]
     RoutingPolicy(**routing_options(cfg))
-    cfg.router.policy = "serve_default"
+    cfg = cfg.replace(router={"policy": "serve_default"})
     assert router_config(cfg) is None and routing_options(cfg) is None  # Serve's built-in router
     assert set(ROUTING_POLICIES) == {"prefix", "round_robin", "serve_default"}

@@ -26,7 +26,7 @@ def svc(serve_env):
 
     retire_all(serve_env.registry)
     cfg = small_config(serve_env.model_dir, replicas=2, max_staleness=1, cpus_per_replica=1.0)
-    cfg.rollout.app_name, cfg.rollout.http_port, cfg.rollout.admin_token = APP, serve_env.http_port, TOKEN
+    cfg = cfg.replace(rollout={"app_name": APP, "http_port": serve_env.http_port, "admin_token": TOKEN})
     handle = start_service(cfg, registry=serve_env.registry)
     wait_healthy(handle, timeout_s=240)
     yield handle

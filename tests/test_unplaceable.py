@@ -163,8 +163,7 @@ def test_service_start_that_no_node_can_hold_ends_with_one_line(tiny_model_dir, 
     from tests._serve_helpers import small_config
 
     cfg = small_config(tiny_model_dir, cpus_per_replica=2.0, http_port=free_port(), app_name="unplaceable-start")
-    cfg.run.placement_timeout_s = 3
-    cfg.run.out_dir = str(tmp_path)
+    cfg = cfg.replace(run={"placement_timeout_s": 3, "out_dir": str(tmp_path)})
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         registry = get_or_create_registry()

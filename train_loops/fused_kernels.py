@@ -11,7 +11,7 @@ on CPU nothing is patched.
 """
 from __future__ import annotations
 
-from common.config import Config, ConfigError
+from common.config import LIGER_ON_NEEDS_GPU, Config, ConfigError
 
 
 def apply_liger(model, cfg: Config, on_gpu: bool) -> str:
@@ -22,8 +22,7 @@ def apply_liger(model, cfg: Config, on_gpu: bool) -> str:
         return "off"
     if not on_gpu:
         if mode == "on":
-            raise ConfigError(["train.liger_kernels: on, but this trainer runs on CPU (Liger's kernels are Triton, "
-                               "GPU only)"])
+            raise ConfigError([LIGER_ON_NEEDS_GPU])
         return "off (CPU)"
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance

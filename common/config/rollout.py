@@ -1,0 +1,83 @@
+"""Sections rollout and router: the vLLM replicas, the rollout workers, the REST front, and how requests are
+routed among the replicas."""
+from __future__ import annotations
+
+from common.config.base import Section, broken, option
+from common.config.choices import LoraRank, ProxyLocation, RouterPolicy, words
+
+
+class RolloutConfig(Section):
+    section = "rollout"
+    replicas: int = option(2, "vLLM replicas (Serve deployment replicas).", ge=1)
+    cpus_per_replica: float = option(0.5, "CPUs reserved per replica.", gt=0)
+    gpus_per_replica: float = option(0.0, "GPUs per replica (tensor_parallel of them on GPU).", ge=0)
+    tensor_parallel: int = option(1, "vLLM tensor parallel size.", ge=1)
+    max_lora_rank: LoraRank = option(8, f"vLLM max_lora_rank; one of {words(LoraRank, ', ')}.")
+    kv_cache_gib: int = option(1, "VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB: vLLM reads it as an integer).", ge=1)
+    gpu_memory_utilization: float = option(0.85, "vLLM gpu_memory_utilization on GPU.", gt=0, le=1)
+    max_num_seqs: int = option(64, "vLLM max_num_seqs.", ge=1)
+    enforce_eager: bool = option(True, "Skip CUDA graphs / torch.compile (fast start); set False on GPU for speed.")
+    workers: int = option(2, "Rollout worker actors that turn prompts into scored groups.", ge=1)
+    max_restarts: int = option(
+        3, "Restarts of one rollout worker in a row (Ray restarts a killed one; it gives its slots back) with no step "
+           "logged between them before the run fails with one line. A logged step refills the budget, as for "
+           "train.max_restarts.", ge=0)
+    groups_per_worker: int = option(1, "Groups each rollout worker samples concurrently (workers x this = groups in "
+                                       "flight; enough to fill the engines' batches on GPU).", ge=1)
+    http_port: int = option(8000, "Serve HTTP port of the OpenAI-compatible router.", ge=1, le=65535)
+    proxy_location: ProxyLocation = option(
+        "EveryNode", "Where Serve runs its HTTP proxies: EveryNode (each node answers on http_port), HeadOnly "
+                     "(one proxy; also for several nodes on one machine, which would all bind the same port) "
+                     "or Disabled (rollouts only, through handles).")
+    admin_token: str | None = option(None, "Bearer token for admin routes; env LORA_GRPO_ADMIN_TOKEN if null; "
+                                           "none = admin off.")
+    app_name: str = option("policy", "Serve application name.")
+    max_body_bytes: int = option(4 * 1024 * 1024, "Largest REST request body in bytes; a larger one is answered 413 "
+                                                  "without being parsed.", ge=1024)
+    max_inflight_per_replica: int | None = option(
+        None, "REST + rollout requests in flight per replica (the router ingress admits at most this x replicas); "
+              "a REST request over it is answered 429 with Retry-After. null = 4 x max_num_seqs.", ge=1)
+    stream_interval_ms: float = option(
+        50.0, "REST streams: after the first token (sent at once), the tokens that arrive within this many ms travel "
+              "as one message through the replica -> ingress -> proxy hops (0 = one message per token, as vLLM's "
+              "own server writes them). Ray Serve LLM batches the same way (50 ms).", ge=0, le=1000)
+    replica_http_port: int | None = option(
+        None, "Also serve the OpenAI routes on each replica's own HTTP port, in the engine's process: this port, or "
+              "the next free one for a second replica of the node (0: any free port; null: off). No routing and no "
+              "Serve hops: a client of one replica's port gets that replica at the speed of vLLM's own server. The "
+              "URLs are in the service's stats (`replicas[].http_url`) and printed by `app serve`.", ge=0, le=65535)
+    front_port: int | None = option(
+        None, "The REST front: HAProxy on this port (0: any free one; null: off) sends the generation routes straight "
+              "to a replica's own port (needs rollout.replica_http_port), chosen by a consistent hash of the model "
+              "and the prompt's head with bounded load, and every other route to Serve's http_port. vLLM's speed "
+              "with routing kept (serve_deployments/haproxy_front.py); `app serve` prints its URL. Not for a fleet "
+              "(`fleet up` refuses it).", ge=0, le=65535)
+    tool_parser: str | None = option(
+        "hermes", "vLLM tool parser for REST chat completions with `tools` and tool_choice auto (a name vLLM's "
+                  "ToolParserManager knows: hermes for the Qwen/Hermes <tool_call> format); it also reads back "
+                  "named and `required` tool choices. null = tool calling off (only tool_choice none).")
+
+    def problems(self) -> list[str]:
+        return broken(
+            (self.front_port is None or self.replica_http_port is not None,
+             "rollout.front_port: the front forwards to the replicas' own ports; set rollout.replica_http_port "
+             "(0: any free port)"),
+            (self.front_port is None or self.front_port == 0 or self.front_port != self.http_port,
+             f"rollout.front_port: {self.front_port} is Serve's rollout.http_port; the front needs its own port"),
+            (self.front_port is None or self.proxy_location != "Disabled",
+             "rollout.front_port: the front sends every route but generation to Serve's proxy; "
+             "rollout.proxy_location must not be Disabled"),
+        )
+
+
+class RouterConfig(Section):
+    section = "router"
+    policy: RouterPolicy = option(
+        "prefix", "prefix: longest prompt-specific prefix match with load balance; round_robin; "
+                  "serve_default: Serve's own router (no prefix routing).")
+    imbalance: int = option(8, "Spill to the least-loaded replica when the prefix owner has this many more in "
+                               "flight.", ge=1)
+    max_tracked_blocks: int = option(100_000, "Per-replica LRU bound on tracked block hashes.", ge=1)
+    skip_generic: bool = option(
+        True, "prefix: match only past blocks that identify no prompt (held by every replica, "
+              "or followed by 2+ different blocks); false = plain longest match from the start.")

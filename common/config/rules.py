@@ -1,0 +1,98 @@
+"""The rules that read more than one section, and the checks of this machine (installed packages), each stated
+once: other modules call these instead of checking a config rule themselves."""
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+from common.config.base import broken
+from common.config.choices import LOGGER_PACKAGES
+
+if TYPE_CHECKING:
+    from common.config.root import Config
+
+
+def cross_section_problems(cfg: Config) -> list[str]:
+    """The rules that read more than one section; each message names the key to change."""
+    model, grpo, train, rollout = cfg.model, cfg.grpo, cfg.train, cfg.rollout
+    batch = grpo.prompts_per_step * grpo.group_size
+    return broken(
+        (grpo.max_new_tokens < model.max_model_len,
+         f"grpo.max_new_tokens: {grpo.max_new_tokens} must be < model.max_model_len {model.max_model_len}"),
+        (train.max_tokens_per_micro_batch is None or train.max_tokens_per_micro_batch >= model.max_model_len,
+         f"train.max_tokens_per_micro_batch: {train.max_tokens_per_micro_batch} is smaller than one sequence "
+         f"(model.max_model_len {model.max_model_len}); raise it or lower max_model_len"),
+        (batch >= train.num_workers,
+         f"grpo.prompts_per_step: {grpo.prompts_per_step} x grpo.group_size {grpo.group_size} = {batch} samples "
+         f"per step, fewer than train.num_workers ({train.num_workers}); every worker needs one: raise it or lower "
+         "train.num_workers"),
+        (rollout.gpus_per_replica == 0 or train.use_gpu,
+         "rollout.gpus_per_replica: set but train.use_gpu is false; GPU runs set both (a GPU engine with a CPU "
+         "trainer would compute the behaviour and trainer logprobs on different hardware and dtypes)"),
+        # merge mode pushes full weights, so only adapter mode is bound by the engines' LoRA slots
+        (cfg.sync.mode == "merge" or cfg.lora.rank <= rollout.max_lora_rank,
+         f"lora.rank: {cfg.lora.rank} exceeds rollout.max_lora_rank {rollout.max_lora_rank}; raise max_lora_rank "
+         "or set sync.mode=merge"),
+        (cfg.reward.fn is not None or cfg.env.cls is not None,
+         "reward.fn: null needs env.cls (a multi-turn environment's step rewards); single-turn runs need a reward "
+         "function"),
+        (cfg.env.cls is None or cfg.reward.where == "worker",
+         "reward.where: task runs single-turn rewards only; a multi-turn run (env.cls) scores episodes in the worker"),
+        (cfg.env.cls is None or grpo.dapo_overlong_buffer == 0,
+         "grpo.dapo_overlong_buffer: the overlong penalty is for single-turn completions; a multi-turn run bounds "
+         "episodes with env.max_episode_tokens"),
+        (cfg.env.max_episode_tokens is None or cfg.env.max_episode_tokens <= model.max_model_len,
+         f"env.max_episode_tokens: {cfg.env.max_episode_tokens} exceeds model.max_model_len {model.max_model_len}"),
+        (cfg.sync.max_loras is None or cfg.sync.max_loras >= cfg.adapter_slots,
+         f"sync.max_loras: {cfg.sync.max_loras} < {cfg.adapter_slots} adapter slots this run needs (the "
+         f"{cfg.sync.live_versions} live versions, one to swap in the next"
+         + (", one for the version under evaluation" if cfg.eval.path else "") + "); raise it or leave it null"),
+        (not cfg.model.fp32_head or train.zero_stage < 3 or cfg.trainer_dtype == "float32",
+         "model.fp32_head: not with train.zero_stage 3 and a bf16/fp16 trainer (the partitioned head shares its "
+         "weight with the input embedding, which DeepSpeed still holds gathered at the head); use ZeRO-2"),
+        (cfg.run.fleet is None or not cfg.run.serve_after,
+         "run.serve_after: a run on a fleet leaves it when it ends (its lease); serve its saved adapter with "
+         "`python -m app serve --adapter RUN_DIR/adapter`"),
+        (cfg.run.fleet is None or cfg.sync.mode == "adapter",
+         "sync.mode: a run on a fleet (run.fleet) must use adapter mode; merge mode replaces the base model that "
+         "every run of the fleet shares"),
+        (cfg.eval.path not in ("builtin:letters-heldout", "builtin:letter-hunt-heldout")
+         or cfg.data.builtin_size <= 4096,
+         f"eval.path: builtin:letters-heldout is disjoint from the first 4096 builtin:letters prompts only; "
+         f"data.builtin_size is {cfg.data.builtin_size}"),
+    )
+
+
+# The front is a child of the process that starts it, and `fleet up` returns while the fleet stays up.
+FLEET_HAS_NO_FRONT = ("rollout.front_port: a fleet has no REST front yet (it would end when `fleet up` returns); "
+                      "clients can use the replicas' own ports (rollout.replica_http_port), listed by `fleet status`")
+
+
+def fleet_problems(cfg: Config) -> list[str]:
+    """What a config to start a shared fleet with (`fleet up`) may not set."""
+    return broken((cfg.rollout.front_port is None, FLEET_HAS_NO_FRONT))
+
+
+def machine_problems(cfg: Config) -> list[str]:
+    """What this machine lacks for the config: a requested tracker's package."""
+    return missing_loggers(cfg.run.loggers)
+
+
+def missing_loggers(names) -> list[str]:
+    """One message per requested logger whose package is not importable."""
+    out = []
+    for name in names:
+        modules, extra = LOGGER_PACKAGES.get(name, ((), ""))
+        if modules and not any(importlib.util.find_spec(module) is not None for module in modules):
+            out.append(f"run.loggers: {name} needs the `{modules[0]}` package, which is not installed: "
+                       f"pip install -e '.[{extra}]' (or pip install {modules[0]})")
+    return out
+
+
+def needs_merge(cfg: Config) -> str | None:
+    """Why vLLM cannot serve this adapter as LoRA (then sync falls back to merge), or None."""
+    if cfg.lora.use_dora:
+        return "DoRA adapters are not servable by vLLM's LoRA path"
+    if cfg.lora.modules_to_save:
+        return "modules_to_save is not servable by vLLM's LoRA path"
+    return None
