@@ -129,7 +129,7 @@ class AdapterRegistry:
     async def hold(self, want: int | None, holder: str, ttl_s: float) -> int | None:
         """Pick a version as `pick_version` does (`want` if live, else the newest live one not newer) and
         keep it live, payload included, until `release(version, holder)` or `ttl_s` seconds. Replicas need
-        one adapter slot more for it (`Config.max_loras`). None: nothing is live (the base model serves)."""
+        one adapter slot more for it (`Config.adapter_slots`). None: nothing is live (the base model serves)."""
         if ttl_s <= 0:
             raise ValueError(f"hold: ttl_s must be > 0, got {ttl_s}")
         version = pick_version(self._live, want)
