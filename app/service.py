@@ -94,17 +94,15 @@ def serve_policy(cfg: Config, payload: tuple[dict, dict] | None, adapter_dir: st
                  address: str | None) -> None:
     """`python -m app serve`: join or start Ray, publish the adapter (if any) as policy-v1, serve until
     Ctrl-C or SIGTERM, then delete the app and shut Ray down."""
-    import os
-
     import ray
     from ray import serve
 
     from common.placement import on_driver_node
+    from common.ray_connect import connect_ray
     from common.registry import get_or_create_registry
     from serve_deployments.app_builder import start_with_adapter, wait_healthy
 
-    address = address or cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
-    ray.init(address=address or None, ignore_reinit_error=True)
+    connect_ray(address or cfg.run.ray_address)
     registry = get_or_create_registry(**on_driver_node())
     handle, version = start_with_adapter(cfg, registry, payload)
     if version is not None:

@@ -51,7 +51,8 @@ def kill_actor(actor) -> None:
 
 
 def init_ray(cfg: Config, verbose: bool = False) -> None:
-    """Start or join Ray (run.ray_address, else RAY_ADDRESS, else a local cluster), quiet by default
+    """Start or join Ray (run.ray_address, else RAY_ADDRESS, else a local cluster; common.ray_connect: token
+    authentication, and an error saying why a cluster cannot be joined), quiet by default
     through Ray's own switches: workers' stdout/stderr stay in Ray's session log files
     (log_to_driver=False), worker-side Ray logging at WARNING (LoggingConfig), the driver's Ray logger at
     WARNING; vLLM, DeepSpeed and transformers levels travel in the job's env. --verbose streams everything.
@@ -61,9 +62,10 @@ def init_ray(cfg: Config, verbose: bool = False) -> None:
 
     import ray
 
+    from common.ray_connect import connect_ray
+
     if ray.is_initialized():
         return
-    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
     level = "INFO" if verbose else "WARNING"
     env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            # Ray Train gives a worker group 60 s to start; a loaded 2-core machine can need more.
@@ -73,5 +75,5 @@ def init_ray(cfg: Config, verbose: bool = False) -> None:
            "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "info" if verbose else "error"),
            "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "default" if verbose else "ignore")}
     os.environ.setdefault("VLLM_LOGGING_LEVEL", env["VLLM_LOGGING_LEVEL"])  # read by engine_env for replicas
-    ray.init(address=address or None, log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.ERROR,
-             logging_config=ray.LoggingConfig(encoding="TEXT", log_level=level), runtime_env={"env_vars": env})
+    connect_ray(cfg.run.ray_address, log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.ERROR,
+                logging_config=ray.LoggingConfig(encoding="TEXT", log_level=level), runtime_env={"env_vars": env})
