@@ -75,8 +75,10 @@ def cmd_train(argv: list[str]) -> int:
             if args.config:
                 raise ResumeError("--resume takes the run's own config.yaml: leave out --config")
             cfg, resume = prepare_resume(args.resume, args.set)
-        else:
-            cfg, resume = load(args.config, args.set), None
+        else:  # the run's directory named now, so an interrupted run's message below names the right one
+            from app.preflight import free_run_name
+
+            cfg, resume = free_run_name(load(args.config, args.set)), None
         if args.serve:
             cfg = cfg.replace(run={"serve_after": True})
         summary = driver.run(cfg, keep_serving=cfg.run.serve_after, progress=not args.no_progress,

@@ -71,16 +71,23 @@ def make_run_dir(cfg: Config, resume: Resume | None) -> tuple[Config, Path]:
     cfg = cfg.replace(model={"path": str(Path(cfg.model.path).resolve())},
                       run={"out_dir": str(Path(cfg.run.out_dir).resolve())})
     if resume is None:
-        base, attempt = cfg.run.name, 1
-        while cfg.run_dir.exists():
-            attempt += 1
-            cfg = cfg.replace(run={"name": f"{base}-{attempt}"})
-        if attempt > 1:
-            logger.warning("run dir %s exists: this run writes to %s", Path(cfg.run.out_dir) / base, cfg.run_dir)
+        wanted, cfg = cfg.run_dir, free_run_name(cfg)
+        if cfg.run_dir != wanted:
+            logger.warning("run dir %s exists: this run writes to %s", wanted, cfg.run_dir)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=resume is not None)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return cfg, run_dir
+
+
+def free_run_name(cfg: Config) -> Config:
+    """`cfg`, or a copy named NAME-k (the next free k) when RUN_DIR exists. A caller that reads the run's files
+    after `driver.run` picks the name first: the driver then keeps it."""
+    base, attempt = cfg.run.name, 1
+    while cfg.run_dir.exists():
+        attempt += 1
+        cfg = cfg.replace(run={"name": f"{base}-{attempt}"})
+    return cfg
 
 
 def check_fits(cfg: Config) -> None:

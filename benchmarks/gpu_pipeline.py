@@ -663,6 +663,7 @@ def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: s
     import ray
 
     from app import driver
+    from app.preflight import free_run_name
     from benchmarks.gpu_runs import record
     from common import config as C
 
@@ -680,7 +681,7 @@ def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: s
     recipe = "gpu-1x.yaml" if gpus == 1 else "gpu-2x.yaml"
     if gpus == 2:
         sets.append("rollout.gpu_memory_utilization=0.85")
-    cfg = C.load(str(REPO / "recipes" / recipe), sets + extra)
+    cfg = free_run_name(C.load(str(REPO / "recipes" / recipe), sets + extra))  # the run dir read below is the run's
     ray.init(address="local", num_gpus=gpus, include_dashboard=False, runtime_env={"env_vars": {
         "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": _env()["PYTHONPATH"]}})
     t0 = time.time()

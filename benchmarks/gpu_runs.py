@@ -132,13 +132,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args(argv)
 
+    from app.preflight import free_run_name
     from benchmarks._common import run_driver
     from common import config as C
 
     recipe, sets, gpus = RUNS[args.run]
     name = args.tag or args.run + ("-merge" if args.merge else "")
     sets = sets + (["sync.mode=merge"] if args.merge else []) + [f"run.name={name}", "run.out_dir=runs/gpu"] + args.set
-    cfg = C.load(str(REPO / recipe), sets)
+    cfg = free_run_name(C.load(str(REPO / recipe), sets))  # the run dir read below is the one the run writes
     summary, error, wall = run_driver(cfg, gpus, progress=True)
     run_dir = cfg.run_dir
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()

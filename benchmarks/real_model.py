@@ -299,6 +299,7 @@ def main(argv=None) -> int:
                    help="model.fp32_head: the LM head in fp32 in vLLM (hf_overrides head_dtype) and the trainer")
     args = p.parse_args(argv)
 
+    from app.preflight import free_run_name
     from benchmarks._common import run_driver
     from common import config as C
 
@@ -324,7 +325,7 @@ def main(argv=None) -> int:
         out.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {out}", flush=True)
         return 0
-    cfg = C.load(str(REPO / RECIPE), sets + args.set)
+    cfg = free_run_name(C.load(str(REPO / RECIPE), sets + args.set))  # the run dir read below is the run's
     summary, error, wall = run_driver(cfg, gpus, progress=not args.smoke)
     metrics = cfg.run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
