@@ -114,7 +114,7 @@ def _message(model: type[BaseModel], prefix: tuple, item: dict) -> str:
         chain.append(info.annotation if info is not None and _is_model(info.annotation) else None)
     kind, value = item["type"], item.get("input")
     if kind == "extra_forbidden":
-        return _unknown(model, prefix, chain, key)
+        return _unknown(chain, key)
     if kind in ("model_type", "dict_type", "model_attributes_type"):
         return f"{key}: must be a mapping of keys, got {type(value).__name__} {value!r}"
     if info is None:
@@ -129,7 +129,7 @@ def _message(model: type[BaseModel], prefix: tuple, item: dict) -> str:
     return f"{key}: expected {type_name(info.annotation)}, got {value!r}"
 
 
-def _unknown(model: type[BaseModel], prefix: tuple, chain: list, key: str) -> str:
+def _unknown(chain: list, key: str) -> str:
     """An unknown section or key, with the closest valid names (and the section that has this key)."""
     parent, name = chain[-2], key.rsplit(".", 1)[-1]
     if parent is None:
