@@ -220,7 +220,7 @@ def cmd_bench(argv: list[str]) -> int:
         print("usage: python -m app bench NAME [args]\nbenchmarks: " + ", ".join(sorted(scripts)))
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     sys.argv = [scripts[argv[0]].name, *argv[1:]]
-    runpy.run_path(str(scripts[argv[0]]), run_name="__main__")
+    runpy.run_module(f"benchmarks.{scripts[argv[0]].stem}", run_name="__main__", alter_sys=True)
     return 0
 
 

@@ -3,7 +3,7 @@ port, percentiles, a small Serve config of the tiny model, LoRA / merged payload
 trainer's, publishing them the trainer's way, and the CPU time of a process tree.
 
 Not a test module: nothing here imports pytest or `tests`. Benchmarks import it as `benchmarks._common`
-(each script puts the repository root on sys.path, as `python -m app bench` runs them from there).
+(run from the repository root: `python -m benchmarks.NAME` or `python -m app bench NAME`).
 """
 from __future__ import annotations
 

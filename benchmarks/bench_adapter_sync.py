@@ -35,10 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks._common import (  # noqa: E402
+from benchmarks._common import (
     TARGETS,
     delete_app,
     free_port,
@@ -50,7 +47,9 @@ from benchmarks._common import (  # noqa: E402
     small_config,
     summary,
 )
-from common.adapter_io import pack_tensors, unpack_tensors  # noqa: E402
+from common.adapter_io import pack_tensors, unpack_tensors
+
+REPO = Path(__file__).resolve().parents[1]
 
 TARGET_TINY_P50_S = 0.5
 TARGET_RANK1_P50_S = 1.0
@@ -194,8 +193,8 @@ def _transport_deployments():
                      merged_layers: int):
             import ray
 
-            from serve_deployments.adapter_slots import AdapterSlots
             from serve_deployments.adapter_files import BaseModelShapes, scratch_root
+            from serve_deployments.adapter_slots import AdapterSlots
             from serve_deployments.engine_weights import AdapterTransport, MergedTransport
 
             self._registry = ray.get_actor(registry_name, namespace=namespace)

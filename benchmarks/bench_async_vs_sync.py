@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 # --quick: the same two runs at the smallest size that still runs both sides (start-up dominates them).

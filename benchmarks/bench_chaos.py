@@ -33,12 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks._common import free_port  # noqa: E402
-from benchmarks.bench_node_loss import NodeKiller  # noqa: E402
-from benchmarks.bench_reliability import (  # noqa: E402
+from benchmarks._common import free_port
+from benchmarks.bench_node_loss import NodeKiller
+from benchmarks.bench_reliability import (
     Injector,
     _alive_actors,
     _end_group,
@@ -47,6 +44,8 @@ from benchmarks.bench_reliability import (  # noqa: E402
     _train_proc,
     data_accounting,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 KINDS = ("replica", "router", "rollout_worker", "train_worker", "controller", "node")
 NODE_CPUS = 2

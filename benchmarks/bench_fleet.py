@@ -56,11 +56,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from app.report import read_rows
+from benchmarks._common import free_port, summary
 
-from app.report import read_rows  # noqa: E402
-from benchmarks._common import free_port, summary  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 FLEET = "bench"
 ADMIN = "bench-fleet-admin-token"

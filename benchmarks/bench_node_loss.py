@@ -23,10 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.bench_reliability import Injector, _rows, data_accounting
 
-from benchmarks.bench_reliability import Injector, _rows, data_accounting  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 NODE_CPUS = 2
 

@@ -32,10 +32,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks._common import descendant_pids, free_port
 
-from benchmarks._common import descendant_pids, free_port  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _rows(run_dir: Path) -> list[dict]:

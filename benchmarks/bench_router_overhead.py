@@ -4,7 +4,7 @@ For 1k-token prompts (GRPO groups: G requests per prompt, prompts sharing a chat
 prefix) with 2, 8 and 64 replicas whose tables each hold `--tracked` block hashes (steady state: the
 LRU is full). Also the cost of hashing the prompt (prefix_hash.route_key), which the ingress pays.
 
-    python benchmarks/bench_router_overhead.py [--quick] [--block-sizes 16 128] [--tracked 100000]
+    python -m benchmarks.bench_router_overhead [--quick] [--block-sizes 16 128] [--tracked 100000]
 
 Prints a table; writes benchmarks/results/router_overhead.json and router_overhead.png.
 """
@@ -18,10 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from serve_deployments.prefix_hash import route_key  # noqa: E402
-from serve_deployments.request_router import RoutingPolicy  # noqa: E402
+from serve_deployments.prefix_hash import route_key
+from serve_deployments.request_router import RoutingPolicy
 
 OUT = Path(__file__).resolve().parent / "results"
 

@@ -51,10 +51,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks._common import (  # noqa: E402
+from benchmarks._common import (
     cpu_s_between,
     delete_app,
     free_port,
@@ -65,6 +62,8 @@ from benchmarks._common import (  # noqa: E402
     small_config,
     summary,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 TARGET_AFFINITY = 0.87
 TARGET_SPILL = 0.01

@@ -1,8 +1,8 @@
 """Trainer benchmark: step time and adapter publish latency under Ray Train, 1 and 2 workers, tiny model,
 synthetic batches, publishing every step into a real AdapterRegistry actor.
 
-    python benchmarks/bench_trainer.py            # 12 steps per configuration
-    python benchmarks/bench_trainer.py --quick    # 4 steps, for a smoke check
+    python -m benchmarks.bench_trainer            # 12 steps per configuration
+    python -m benchmarks.bench_trainer --quick    # 4 steps, for a smoke check
 
 Prints a table and writes benchmarks/results/trainer.json. Step 1 (warm-up) is left out of the stats."""
 from __future__ import annotations
@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def pct(xs: list[float], q: float) -> float:

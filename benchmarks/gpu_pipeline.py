@@ -5,8 +5,8 @@ Workload: the `qwen2.5-1.5b` shape (real 151,936 vocabulary, random weights), Lo
 16 prompts x 8 completions per step, prompts of 256 tokens, exactly 1,024 new tokens (ignore_eos),
 async with max_staleness 2.
 
-    python benchmarks/gpu_pipeline.py                      # every phase the machine's GPUs allow
-    python benchmarks/gpu_pipeline.py --phases trainer     # one phase (results merge into the JSON)
+    python -m benchmarks.gpu_pipeline                      # every phase the machine's GPUs allow
+    python -m benchmarks.gpu_pipeline --phases trainer     # one phase (results merge into the JSON)
     python -m app bench gpu_pipeline
 
 Phases (each in its own processes, so each starts with a clean GPU):
@@ -45,9 +45,9 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks._common import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from benchmarks._common import free_port  # noqa: E402
 
 WORKLOAD = {"shape": "qwen2.5-1.5b", "lora_rank": 1, "target_modules": "all-linear", "prompts_per_step": 16,
             "group_size": 8, "prompt_tokens": 256, "new_tokens": 1024, "ignore_eos": True, "max_staleness": 2,
@@ -707,7 +707,7 @@ def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: s
 def phase_rest(args, work: Path, model: Path, out: Path) -> dict:
     """benchmarks/rest_vs_vllm.py in its own processes, on the phase's model; its goal keys."""
     device = "gpu" if _gpus() else "cpu"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "rest_vs_vllm.py"), "--shape", args.shape, "--work", str(work),
+    cmd = [sys.executable, "-m", "benchmarks.rest_vs_vllm", "--shape", args.shape, "--work", str(work),
            "--out", str(out)] + (["--smoke"] if os.environ.get("GPU_PIPELINE_SMOKE") == "1" else [])
     log = out / f"rest_vs_vllm_{device}.log"
     t0 = time.time() - 1
@@ -728,7 +728,7 @@ def rest_keys(out: Path, device: str, t0: float, failure: str, command: str) -> 
         return path.exists() and path.stat().st_mtime >= t0
 
     if not new(f) and new(partial):  # --finish refuses one whose passes are not all done
-        run_logged([sys.executable, str(REPO / "benchmarks" / "rest_vs_vllm.py"), "--finish", str(partial)],
+        run_logged([sys.executable, "-m", "benchmarks.rest_vs_vllm", "--finish", str(partial)],
                    out / f"rest_vs_vllm_{device}_finish.log", 120)
     if not new(f):
         res = {"rest_error": failure}
@@ -870,7 +870,7 @@ def main(argv=None) -> int:
     doc = json.loads(f.read_text()) if f.exists() else {}
     doc.update({"device": f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else "cpu",
                 "workload": {**WORKLOAD, "shape": args.shape},
-                "command": "python benchmarks/gpu_pipeline.py " + " ".join(argv)})
+                "command": "python -m benchmarks.gpu_pipeline " + " ".join(argv)})
     model = model_dir(work, args.shape)
     args.prev_runs = {k: v for k, v in doc.get("runs", {}).items() if k.endswith("gpu")}
     phases = [x for x in args.phases.split(",") if x]

@@ -1,12 +1,12 @@
 """The GPU runs, each a real `app train` run (driver, Ray, Serve, vLLM, DeepSpeed) on a local
 Ray cluster limited to the run's GPU count:
 
-    python benchmarks/gpu_runs.py small-1x   # recipes/gpu-1x.yaml: the small model learns on one GPU (z > 3)
-    python benchmarks/gpu_runs.py small-2x   # recipes/gpu-2x.yaml on two GPUs
-    python benchmarks/gpu_runs.py qwen-1x    # the Qwen2.5-1.5B shape (real vocabulary), 16 x 8, 1,024 new
-    python benchmarks/gpu_runs.py qwen-2x    #   tokens, rank 1, 20 steps, default micro-batching
-    python benchmarks/gpu_runs.py small-1x --merge   # the same with sync.mode=merge
-    python benchmarks/gpu_runs.py small-multiturn-1x # the small model plays LetterHunt (two turns) on one GPU
+    python -m benchmarks.gpu_runs small-1x   # recipes/gpu-1x.yaml: the small model learns on one GPU (z > 3)
+    python -m benchmarks.gpu_runs small-2x   # recipes/gpu-2x.yaml on two GPUs
+    python -m benchmarks.gpu_runs qwen-1x    # the Qwen2.5-1.5B shape (real vocabulary), 16 x 8, 1,024 new
+    python -m benchmarks.gpu_runs qwen-2x    #   tokens, rank 1, 20 steps, default micro-batching
+    python -m benchmarks.gpu_runs small-1x --merge   # the same with sync.mode=merge
+    python -m benchmarks.gpu_runs small-multiturn-1x # the small model plays LetterHunt (two turns) on one GPU
 
 Each run adds a record to OUT/gpu_runs.json (reward z-test, step-1 trainer/vLLM log ratio, step times,
 micro-batches, peak memory, publish latency) with the command that made it. CPU smoke: `--smoke`
@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 QWEN = ["model.path=runs/qwen2.5-1.5b-model", "model.tiny_shape=qwen2.5-1.5b", "model.max_model_len=2048",
         "grpo.max_new_tokens=1024", "lora.rank=1", "lora.alpha=2", "rollout.max_lora_rank=1",
@@ -144,7 +143,7 @@ def main(argv=None) -> int:
     run_dir = cfg.run_dir
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if line.strip()] if (run_dir / "metrics.jsonl").exists() else []
-    command = f"python benchmarks/gpu_runs.py {' '.join(argv if argv is not None else sys.argv[1:])}"
+    command = f"python -m benchmarks.gpu_runs {' '.join(argv if argv is not None else sys.argv[1:])}"
     rec = record(name, cfg, rows, summary, wall, command)
     rec["error"] = error
     import torch

@@ -3,7 +3,7 @@ completions, chat, streaming, explicit policy versions, clear 4xx for bad input)
 policy's greedy logprobs equal a PEFT forward of the same adapter (teacher-forced on the engine's
 tokens, bf16 tolerance), while the base model's stay the base model's.
 
-    python benchmarks/gpu_serve_check.py --model runs/small-model --adapter runs/gpu/small-1x/adapter
+    python -m benchmarks.gpu_serve_check --model runs/small-model --adapter runs/gpu/small-1x/adapter
 
 Writes OUT/gpu_serve.json."""
 from __future__ import annotations
@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks._common import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from benchmarks._common import free_port  # noqa: E402
 
 PROMPTS = [f"Say the letter {a}, not {b} or {c}." for a, b, c in
            ["KQZ", "ABC", "XYW", "MNO", "PRS", "TUV", "DEF", "GHJ"]]
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))), start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    rec: dict = {"command": "python benchmarks/gpu_serve_check.py " + " ".join(argv or sys.argv[1:]), "checks": {}}
+    rec: dict = {"command": "python -m benchmarks.gpu_serve_check " + " ".join(argv or sys.argv[1:]), "checks": {}}
     try:
         while True:
             try:

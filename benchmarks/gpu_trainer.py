@@ -3,7 +3,7 @@ nccl, bf16, DeepSpeed ZeRO-2/3 over N GPUs, synthetic GRPO batches, on a model s
 Qwen2.5-1.5B body (hidden 1536, 28 layers, 12/2 heads, intermediate 8960; the tiny character
 vocabulary instead of 151,936 tokens) or on the tiny model.
 
-    python benchmarks/gpu_trainer.py --nproc 2 --shape qwen1.5b-body --out benchmarks/results
+    python -m benchmarks.gpu_trainer --nproc 2 --shape qwen1.5b-body --out benchmarks/results
 
 Writes gpu_trainer.json: step seconds, trainer tokens/s and peak GPU memory per ZeRO stage."""
 from __future__ import annotations
@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks._common import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from benchmarks._common import free_port  # noqa: E402
 
 SHAPES = {
     "tiny": {},

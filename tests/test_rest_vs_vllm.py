@@ -23,7 +23,7 @@ METRICS = ("output_tok_s", "request_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_
 @pytest.mark.bench
 def test_smoke_measures_both_servers(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rest_vs_vllm.py"), "--smoke", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.rest_vs_vllm", "--smoke", "--out", str(out),
                            "--work", str(work)], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "round 2/2" in proc.stdout and "rest_vs_vllm_serve_cpu" in proc.stdout  # progress lines, then the table
@@ -63,7 +63,7 @@ def test_smoke_measures_both_servers(tmp_path):
     assert kw["enable_lora"] and f"--max-lora-rank={kw['max_lora_rank']}" in "=".join(cmd)
     assert "--enable-lora" in cmd and "--enforce-eager" in cmd and "policy-v1=" in " ".join(cmd)
     assert doc["settings"]["engine_env"]["VLLM_CPU_KVCACHE_SPACE"]
-    assert doc["machine"]["cpus"] >= 1 and doc["command"].startswith("python benchmarks/rest_vs_vllm.py")
+    assert doc["machine"]["cpus"] >= 1 and doc["command"].startswith("python -m benchmarks.rest_vs_vllm")
     assert (out / "rest_vs_vllm_cpu.png").stat().st_size > 0
     assert "Application startup complete" in (work / "vllm_server.log").read_text()
 
@@ -118,7 +118,7 @@ def test_server_exit_ends_both_waits(tmp_path):
 
 def test_partial_document_has_the_passes_done_and_why(tmp_path, capsys):
     path = tmp_path / "rest_vs_vllm_cpu_partial.json"
-    progress = rv.Progress(path, {"command": "python benchmarks/rest_vs_vllm.py --smoke"}, passes=12)
+    progress = rv.Progress(path, {"command": "python -m benchmarks.rest_vs_vllm --smoke"}, passes=12)
     progress.stage("starting")
     doc = json.loads(path.read_text())
     assert doc["partial"] and doc["passes_done"] == 0 and doc["passes"] == 12 and doc["rounds"] == []
@@ -167,13 +167,13 @@ def test_a_run_stopped_after_every_pass_is_finished_from_its_partial_document(tm
               for r, order in enumerate([("rest", "front", "vllm"), ("vllm", "front", "rest"),
                                          ("rest", "front", "vllm")])]
     path = tmp_path / "rest_vs_vllm_gpu_partial.json"
-    progress = rv.Progress(path, {"command": "python benchmarks/rest_vs_vllm.py", "work_dir": str(tmp_path),
+    progress = rv.Progress(path, {"command": "python -m benchmarks.rest_vs_vllm", "work_dir": str(tmp_path),
                                   "workload": {**rv.WORKLOAD, "rounds": 3, "shape": "qwen2.5-1.5b"},
                                   "vllm_server_cmd": ["python", "-m", "vllm.entrypoints.openai.api_server"]},
                            passes=12)
     progress.rounds.extend(rounds[:1])
     progress.write("stopped after 6 of 12 passes: SystemExit: 137")
-    finish = [sys.executable, str(REPO / "benchmarks" / "rest_vs_vllm.py"), "--finish", str(path)]
+    finish = [sys.executable, "-m", "benchmarks.rest_vs_vllm", "--finish", str(path)]
     proc = subprocess.run(finish, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "6 of 12 passes were done" in proc.stderr, proc.stderr
     assert not (tmp_path / "rest_vs_vllm_gpu.json").exists()

@@ -1,6 +1,6 @@
 """Probe (GPU): does vLLM's async scheduling speed up the workload's decode? One engine per setting, in its
 own process: 128 prompts of 256 tokens, 512 new tokens (EOS ignored), base model, tok/s of a timed pass
-after a warm-up pass. Usage: python benchmarks/probes/decode_async_sched.py MODEL_DIR OUT_JSON [true|false]"""
+after a warm-up pass. Usage: python -m benchmarks.probes.decode_async_sched MODEL_DIR OUT_JSON [true|false]"""
 import json
 import subprocess
 import sys
@@ -25,13 +25,22 @@ def one(model: str, async_sched: bool) -> dict:
 
 
 if __name__ == "__main__":
-    model, out = sys.argv[1], sys.argv[2]
-    if len(sys.argv) > 3:
-        print(json.dumps(one(model, sys.argv[3] == "true")), flush=True)
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("Usage:")[0])
+    ap.add_argument("model")
+    ap.add_argument("out")
+    ap.add_argument("async_scheduling", nargs="?", choices=["true", "false"],
+                    help="one run in this process (the parent runs both, each in a child)")
+    a = ap.parse_args()
+    model, out = a.model, a.out
+    if a.async_scheduling:
+        print(json.dumps(one(model, a.async_scheduling == "true")), flush=True)
         sys.exit(0)
     res = []
     for a in ("false", "true"):
-        p = subprocess.run([sys.executable, __file__, model, out, a], capture_output=True, text=True, timeout=200)
+        p = subprocess.run([sys.executable, "-m", __spec__.name, model, out, a], capture_output=True, text=True,
+                           timeout=200)
         line = [x for x in p.stdout.splitlines() if x.startswith("{")]
         res.append(json.loads(line[-1]) if line else {"async_scheduling": a, "error": p.stderr[-1500:]})
         print(res[-1], flush=True)

@@ -5,7 +5,7 @@ N prompts of 256 tokens, NEW new tokens (EOS ignored), all N in flight (or --in-
 with the same setting and batch.
 Reports tok/s and ms per decode step for each sampling setting given (the engine is built once per process;
 `--mode` is an engine arg).
-Usage: python benchmarks/probes/decode_host.py MODEL_DIR OUT_JSON [--n 384] [--new 1024] [--in-flight 128,384]
+Usage: python -m benchmarks.probes.decode_host MODEL_DIR OUT_JSON [--n 384] [--new 1024] [--in-flight 128,384]
          [--logprobs none,0] [--mode processed_logprobs|raw_logprobs] [--lora] [--no-async] [--quantization fp8]
 `--lora`: a rank-1 adapter of zeros, loaded and used by every request (the rollout's shape).
 py-spy's raw output folds with `benchmarks/probes/fold_pyspy.py`."""

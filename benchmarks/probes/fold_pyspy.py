@@ -1,8 +1,7 @@
 """Fold py-spy's raw (collapsed-stack) output into the functions that took the samples: self and inclusive
 share of the samples whose stack holds a frame containing WITHIN (e.g. `LLM.generate`: the timed passes only),
-top K each. Usage: python benchmarks/probes/fold_pyspy.py RAW [K] [WITHIN]"""
+top K each. Usage: python -m benchmarks.probes.fold_pyspy RAW [K] [WITHIN]"""
 import collections
-import sys
 
 
 def fold(path: str, within: str = "") -> tuple[int, collections.Counter, collections.Counter]:
@@ -25,9 +24,15 @@ def fold(path: str, within: str = "") -> tuple[int, collections.Counter, collect
 
 
 def main() -> None:
-    path = sys.argv[1]
-    k = int(sys.argv[2]) if len(sys.argv) > 2 else 30
-    total, self_c, incl = fold(path, sys.argv[3] if len(sys.argv) > 3 else "")
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("Usage:")[0])
+    ap.add_argument("raw", help="py-spy's raw output")
+    ap.add_argument("k", nargs="?", type=int, default=30, help="frames listed per table")
+    ap.add_argument("within", nargs="?", default="", help="only stacks through a frame holding this")
+    a = ap.parse_args()
+    k = a.k
+    total, self_c, incl = fold(a.raw, a.within)
     print(f"{total} samples")
     for name, c in (("self", self_c), ("inclusive", incl)):
         print(f"-- {name}")

@@ -6,7 +6,7 @@ qwen2.5-1.5b decoder layer (q, k, v, o, gate, up, down) with a rank-r adapter, p
           with at least as many rows as inputs).
 On a GPU the times come from CUDA events after warm-up; on CPU from perf_counter (fewer tokens by default).
 
-    python benchmarks/probes/lora_linear_paths.py OUT.json [--tokens N] [--rank R] [--reps K]
+    python -m benchmarks.probes.lora_linear_paths OUT.json [--tokens N] [--rank R] [--reps K]
 """
 from __future__ import annotations
 
@@ -18,9 +18,6 @@ import time
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 # (name, in, out) of one qwen2.5-1.5b decoder layer's linears
 SHAPES = [("q", 1536, 1536), ("k", 1536, 256), ("v", 1536, 256), ("o", 1536, 1536),
@@ -90,7 +87,7 @@ def main() -> int:
         print(f"{name:>5} {d_in:>5}x{d_out:<5} " + "  ".join(f"{k} {row[k + '_ms']:8.2f} ms" for k in totals),
               flush=True)
     doc = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "dtype": str(dtype), "tokens": a.tokens,
-           "rank": a.rank, "reps": a.reps, "command": "python benchmarks/probes/lora_linear_paths.py " +
+           "rank": a.rank, "reps": a.reps, "command": "python -m benchmarks.probes.lora_linear_paths " +
            " ".join(sys.argv[1:]), "rows": rows, "layer_ms": totals,
            "merged_vs_addmm": totals["addmm"] / totals["merged"], "merged_vs_peft": totals["peft"] / totals["merged"]}
     print(f"layer: peft {totals['peft']:.1f} ms, addmm {totals['addmm']:.1f} ms, merged {totals['merged']:.1f} ms: "

@@ -2,18 +2,16 @@
 adapter (392 tensors, 2.3 MB), as a dict of tensors against one safetensors buffer (pack_tensors):
 the trainer's put plus a registry actor that takes the payload and re-puts it (what AdapterRegistry.publish
 does), then a replica's get and unpack. Median of 7; writes OUT_JSON.
-    python benchmarks/probes/payload_transport.py [OUT_JSON]"""
+    python -m benchmarks.probes.payload_transport [OUT_JSON]"""
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from common.adapter_io import pack_tensors, unpack_tensors  # noqa: E402
+from common.adapter_io import pack_tensors, unpack_tensors
 
 # Qwen2.5-1.5B: hidden 1536, intermediate 8960, 2 KV heads of 128; the 7 linears of each of 28 layers.
 LINEARS = {"q_proj": (1536, 1536), "k_proj": (1536, 256), "v_proj": (1536, 256), "o_proj": (1536, 1536),
@@ -54,10 +52,14 @@ def main(out: str | None) -> dict:
         print(name, res[name], flush=True)
     ray.shutdown()
     if out:
-        Path(out).write_text(json.dumps({**res, "command": "python benchmarks/probes/payload_transport.py " + out,
+        Path(out).write_text(json.dumps({**res, "command": "python -m benchmarks.probes.payload_transport " + out,
                                          "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1))
     return res
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("out_json", nargs="?", help="where the result goes (default: printed only)")
+    main(ap.parse_args().out_json)

@@ -1,9 +1,8 @@
 """Bar chart of decode_host results: tok/s of each engine setting, for the runs with the core in its own process
 and the GPU to itself (a run timed beside another engine says so: `beside_another_engine`).
-Usage: python benchmarks/probes/plot_decode_host.py RESULTS_JSON OUT_PNG
+Usage: python -m benchmarks.probes.plot_decode_host RESULTS_JSON OUT_PNG
 (RESULTS_JSON: a document with `runs`, each a decode_host output, as results/decode_host_gpu.json)."""
 import json
-import sys
 
 
 def bars(doc: dict) -> list[tuple[str, float]]:
@@ -40,4 +39,10 @@ def main(src: str, png: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("Usage:")[0])
+    ap.add_argument("results_json")
+    ap.add_argument("out_png")
+    a = ap.parse_args()
+    main(a.results_json, a.out_png)

@@ -2,19 +2,17 @@
 adapter (392 tensors, 2.3 MB): unpack the fetched buffer, verify (digest and shapes), and write the adapter
 file, by serializing the tensors again against writing the fetched bytes; the trainer's pack beside them.
 Median of 7; writes OUT_JSON.
-    python benchmarks/probes/replica_load_steps.py [OUT_JSON]"""
+    python -m benchmarks.probes.replica_load_steps [OUT_JSON]"""
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from common.adapter_io import make_meta, pack_tensors, unpack_tensors, write_peft_dir  # noqa: E402
-from serve_deployments.adapter_files import BaseModelShapes, verify_adapter  # noqa: E402
+from common.adapter_io import make_meta, pack_tensors, unpack_tensors, write_peft_dir
+from serve_deployments.adapter_files import BaseModelShapes, verify_adapter
 
 # Qwen2.5-1.5B: the 7 linears of each of 28 layers, (in, out, block).
 LINEARS = {"q_proj": (1536, 1536, "self_attn"), "k_proj": (1536, 256, "self_attn"),
@@ -53,10 +51,14 @@ def main(out: str | None) -> dict:
     assert unpack_tensors((work / "b" / "adapter_model.safetensors").read_bytes()).keys() == tensors.keys()
     print(json.dumps(res), flush=True)
     if out:
-        Path(out).write_text(json.dumps({**res, "command": "python benchmarks/probes/replica_load_steps.py " + out,
+        Path(out).write_text(json.dumps({**res, "command": "python -m benchmarks.probes.replica_load_steps " + out,
                                          "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1))
     return res
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("out_json", nargs="?", help="where the result goes (default: printed only)")
+    main(ap.parse_args().out_json)

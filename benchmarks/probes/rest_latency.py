@@ -6,7 +6,7 @@ what it adds. Here one client sends requests one after another (no queueing, so 
 itself): completions, non-streaming and streaming, 1 and 16 new tokens, 25 each, the median per round, two
 rounds, both ports of one service (the tiny model on CPU, the rank-8 adapter of `rest_vs_vllm.py`).
 
-    python benchmarks/probes/rest_latency.py OUT.json [--direct-ingress]
+    python -m benchmarks.probes.rest_latency OUT.json [--direct-ingress]
 
 `--direct-ingress`: Ray Serve's direct ingress (the Ingress replica serves HTTP itself, no proxy hop), as in
 `rest_vs_vllm.py`. Serve's own tuning flags come from the environment, e.g.
@@ -23,11 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import rest_vs_vllm as rv  # noqa: E402
+from benchmarks import rest_vs_vllm as rv
 
 CASES = [(stream, tokens) for stream in (False, True) for tokens in (1, 16)]
 
@@ -70,7 +66,7 @@ def main() -> int:
                       flush=True)
     added = {case: statistics.median(v["serve_port"]) - statistics.median(v["replica_port"])
              for case, v in runs.items()}
-    doc = {"command": "python benchmarks/probes/rest_latency.py " + " ".join(sys.argv[1:]),
+    doc = {"command": "python -m benchmarks.probes.rest_latency " + " ".join(sys.argv[1:]),
            "direct_ingress": args.direct_ingress,
            "serve_env": {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")},
            "requests_per_case": args.requests, "rounds": args.rounds, "median_ms_per_round": runs,
