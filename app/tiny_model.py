@@ -195,3 +195,16 @@ def ensure_model(path: str | Path, build_tiny: bool = True, seed: int = 0, shape
             f"model.path {path}: no config.json (set model.build_tiny=true to build the tiny model)"
         )
     return build_model_shape(path, shape, seed=seed)
+
+
+def serve_config(model_dir, replicas: int = 1, max_staleness: int = 1, max_loras: int | None = None,
+                 cpus_per_replica: float = 1.0, max_lora_rank: int = 8, **rollout):
+    """A Config serving the model at `model_dir` on `replicas` CPU vLLM replicas (float32, 512-token context,
+    16 sequences per engine): what the Serve tests and the serving benchmarks start. Extra keywords set
+    `rollout.*` keys."""
+    from common.config import Config
+
+    return Config(model={"path": str(model_dir), "dtype": "float32", "max_model_len": 512},
+                  rollout={"replicas": replicas, "cpus_per_replica": cpus_per_replica, "max_num_seqs": 16,
+                           "max_lora_rank": max_lora_rank, **rollout},
+                  sync={"max_staleness": max_staleness, "max_loras": max_loras})

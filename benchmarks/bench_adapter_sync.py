@@ -35,19 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._common import (
-    TARGETS,
-    delete_app,
-    free_port,
-    make_lora_payload,
-    make_merged_payload,
-    prompt_ids,
-    retire_all,
-    rss_bytes,
-    small_config,
-    summary,
-)
+from app.tiny_model import serve_config
+from benchmarks._common import delete_app, rss_bytes, summary
 from common.adapter_io import pack_tensors, unpack_tensors
+from common.lora_payloads import TARGETS, make_lora_payload, make_merged_payload, prompt_ids
+from common.ports import free_port
+from common.registry import retire_all
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +83,7 @@ def full_path(args, model_dir: Path, registry, http_port: int) -> list[dict]:
                "adapter_bytes_moved": base_adapters[0][1]["nbytes"] * (2 + R),
                "merged_bytes_moved": base_merged[0][1]["nbytes"] * (2 + R)}
         rows.append(row)
-        cfg = small_config(model_dir, replicas=R, cpus_per_replica=args.cpus_per_replica, max_lora_rank=args.rank,
+        cfg = serve_config(model_dir, replicas=R, cpus_per_replica=args.cpus_per_replica, max_lora_rank=args.rank,
                            kv_cache_gib=args.kv_cache_gib, max_num_seqs=8)
         cfg = cfg.replace(rollout={"http_port": http_port, "app_name": f"adapter-sync-r{R}"},
                           router={"policy": "prefix"})

@@ -33,7 +33,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._common import free_port
 from benchmarks.bench_node_loss import NodeKiller
 from benchmarks.bench_reliability import (
     Injector,
@@ -44,6 +43,7 @@ from benchmarks.bench_reliability import (
     _train_proc,
     data_accounting,
 )
+from common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -57,7 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.report import read_rows
-from benchmarks._common import free_port, summary
+from benchmarks._common import summary
+from common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

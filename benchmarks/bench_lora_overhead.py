@@ -155,8 +155,8 @@ def main(argv=None) -> int:
 
     from vllm.lora.request import LoRARequest
 
-    from benchmarks._common import make_lora_payload
     from common.adapter_io import write_peft_dir
+    from common.lora_payloads import make_lora_payload
 
     work = Path(tempfile.mkdtemp(prefix="bench-lora-overhead-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     adapters = []

@@ -32,7 +32,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from benchmarks._common import descendant_pids, free_port
+from common.ports import free_port
+from common.processes import descendant_pids
 
 REPO = Path(__file__).resolve().parents[1]
 

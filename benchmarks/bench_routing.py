@@ -51,17 +51,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks._common import (
-    cpu_s_between,
-    delete_app,
-    free_port,
-    make_lora_payload,
-    process_tree_cpu_s,
-    publish,
-    ratio,
-    small_config,
-    summary,
-)
+from app.tiny_model import serve_config
+from benchmarks._common import cpu_s_between, delete_app, process_tree_cpu_s, ratio, summary
+from common.lora_payloads import make_lora_payload
+from common.ports import free_port
+from common.registry import publish_payload as publish
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,7 +105,7 @@ def start(args, model_dir: Path, registry, port: int, name: str):
     from serve_deployments import app_builder
 
     policy, skip_generic = POLICIES[name]
-    cfg = small_config(model_dir, replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
+    cfg = serve_config(model_dir, replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
                        kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs)
     cfg = cfg.replace(model={"max_model_len": args.max_model_len},
                       rollout={"http_port": port, "app_name": app_name(name)},

@@ -45,7 +45,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks._common import free_port
+from common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import free_port
+from common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

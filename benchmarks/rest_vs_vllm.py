@@ -57,14 +57,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from benchmarks._common import (
-    cpu_s_between,
-    descendant_pids,
-    free_port,
-    make_lora_payload,
-    process_tree_cpu_s,
-    small_config,
-)
+from app.tiny_model import serve_config
+from benchmarks._common import cpu_s_between, process_tree_cpu_s
+from common.lora_payloads import make_lora_payload
+from common.ports import free_port
+from common.processes import descendant_pids
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,7 +99,7 @@ def _gpus() -> int:
 
 def service_config(model: Path, gpus: int):
     """The one Config both sides' engines come from: one replica of `model`, the benchmark's LoRA rank."""
-    cfg = small_config(model, replicas=1, max_lora_rank=WORKLOAD["lora_rank"])
+    cfg = serve_config(model, replicas=1, max_lora_rank=WORKLOAD["lora_rank"])
     if gpus:
         cfg = cfg.replace(model={"dtype": "bfloat16", "max_model_len": 2048}, train={"use_gpu": True},
                           rollout={"gpus_per_replica": 1, "gpu_memory_utilization": 0.4, "enforce_eager": False,

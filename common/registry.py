@@ -238,3 +238,17 @@ def get_or_create_registry(keep: int = 3, namespace: str = NAMESPACE, **options)
     (e.g. placement.on_driver_node()) apply when it is created here."""
     return AdapterRegistry.options(name=REGISTRY_NAME, namespace=namespace, get_if_exists=True,
                                    **options).remote(keep)
+
+
+def publish_payload(registry, version: int, tensors: dict, meta: dict) -> dict:
+    """Publish (tensors, meta) as `version` the trainer's way: packed into one buffer, the ObjectRef a
+    top-level argument (so the registry re-puts it). Blocks until the registry answers; returns its record."""
+    from common.adapter_io import pack_tensors
+
+    return ray.get(registry.publish.remote(version, ray.put(pack_tensors(tensors)), meta))
+
+
+def retire_all(registry) -> None:
+    """Take every version out of the live set, so replicas started later load nothing."""
+    for v in ray.get(registry.live_versions.remote()):
+        ray.get(registry.retire.remote(v))

@@ -2,9 +2,10 @@
 
 - `serve_env` (module fixture): Ray with 4 logical CPUs, Serve on a free port, a real AdapterRegistry,
   all shut down at the module's end; the tiny model comes from conftest's session `tiny_model_dir`.
-- from benchmarks/_common.py (shared with the benchmarks): `make_lora_payload` (a PEFT LoRA over the tiny
+- re-exported from common/ (shared with the benchmarks): `make_lora_payload` (a PEFT LoRA over the tiny
   model with random non-zero B, as the (tensors, meta) pair the trainer publishes), `make_merged_payload`,
-  `publish` (the trainer's way: ref as a top-level argument), `prompt_ids`, `retire_all`, `free_port`.
+  `prompt_ids` (common.lora_payloads), `publish` (common.registry.publish_payload: the trainer's way, ref
+  as a top-level argument), `retire_all`, `free_port` (common.ports).
 - `peft_reference`: greedy tokens + per-token logprobs of the same adapter through PEFT (the truth the
   engine is compared with).
 - `small_config`: a Config for 1-2 CPU replicas of the tiny model (GPU ones under LORA_GRPO_TEST_GPU=1).
@@ -20,18 +21,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks._common import (  # noqa: F401  (re-exported: the Serve tests import them from here)
+from app.tiny_model import serve_config
+from common.lora_payloads import (  # noqa: F401  (re-exported: the Serve tests import them from here)
     TARGETS,
-    free_port,
     make_lora_payload,
     make_merged_payload,
     prompt_ids,
-    publish,
-    retire_all,
 )
-from benchmarks._common import base_model as _base_model
-from benchmarks._common import peft_model as _peft_model
-from benchmarks._common import small_config as _small_config
+from common.lora_payloads import base_model as _base_model
+from common.lora_payloads import peft_model as _peft_model
+from common.ports import free_port
+from common.registry import publish_payload as publish  # noqa: F401  (re-exported)
+from common.registry import retire_all  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -63,8 +64,8 @@ def serve_env(tiny_model_dir, tmp_path_factory):
 
 
 def small_config(model_dir, replicas: int = 1, **kw):
-    """benchmarks._common.small_config; with LORA_GRPO_TEST_GPU=1 the same suites on a GPU machine."""
-    cfg = _small_config(model_dir, replicas=replicas, **kw)
+    """app.tiny_model.serve_config; with LORA_GRPO_TEST_GPU=1 the same suites on a GPU machine."""
+    cfg = serve_config(model_dir, replicas=replicas, **kw)
     if os.environ.get("LORA_GRPO_TEST_GPU") == "1":  # (vllm 0.25.1)
         # A GPU each when there are enough (two engines profiling one device at once failed to deploy
         # on vllm 0.25.1); otherwise shares of one.

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks._common import free_port
 from common.config import Config, from_dict, validate
+from common.ports import free_port
 from train_loops.worker import GRPOWorker, WorkerOptions, loop_config, read_loop_config
 
 REPO = Path(__file__).resolve().parents[1]

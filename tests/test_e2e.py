@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from app.report import proportion_z, read_rows
-from benchmarks._common import descendant_pids
 from common import config as C
+from common.processes import descendant_pids
 from tests._serve_helpers import free_port
 
 pytestmark = pytest.mark.slow

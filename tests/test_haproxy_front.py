@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from benchmarks._common import free_port
 from common.config import ConfigError
+from common.ports import free_port
 from serve_deployments.haproxy_front import RestFront, render_config, replica_targets
 
 

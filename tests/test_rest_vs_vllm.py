@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import rest_vs_vllm as rv
-from benchmarks._common import free_port
+from common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = ("output_tok_s", "request_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")

@@ -46,7 +46,7 @@ def main() -> int:
     import ray
 
     from app.tiny_model import ensure_model
-    from benchmarks._common import make_lora_payload
+    from common.lora_payloads import make_lora_payload
 
     work = Path(tempfile.mkdtemp(prefix="rest-latency-"))
     model = ensure_model(work / "tiny-model", shape="tiny")
