@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from app.watch import StallError
+from app.stall_errors import UnplaceableError
 from common.config import Config
 
 logger = logging.getLogger("app")
@@ -23,10 +23,6 @@ LOOK_EVERY_S = 5.0
 WAITING_STATES = ("PENDING_CREATION", "RESTARTING")
 UNPLACED_PG_STATES = ("PENDING", "RESCHEDULING")
 TRAIN_CONTROLLER = "TrainController"
-
-
-class UnplaceableError(StallError):
-    """The run waited `run.placement_timeout_s` for Ray to place its workers or replicas, with no step."""
 
 
 @dataclass

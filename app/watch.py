@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from app.stall_errors import RestartsError, StallError, UnplaceableError
 from common.config import Config
 
 logger = logging.getLogger("app")
@@ -21,14 +22,6 @@ RESTART_CHECK_S = 3.0
 FIT_THREAD = "trainer-fit"
 # A step in flight finishes before the trainer reads the closed buffer; minutes on CPU at worst.
 FIT_STOP_TIMEOUT_S = 120.0
-
-
-class StallError(RuntimeError):
-    """No step finished and nothing was generated for `run.stall_timeout_s`."""
-
-
-class RestartsError(StallError):
-    """The train worker group restarted more than `train.max_restarts` times with no step logged between."""
 
 
 def ingress_row_metrics(stats: dict) -> dict:
@@ -297,7 +290,7 @@ def train_and_watch(trainer, progress: Progress, buffer, worker_runs: list) -> T
     buffer."""
     import ray
 
-    from app.placement_watch import UnplaceableError, abort_train_controller
+    from app.placement_watch import abort_train_controller
 
     outcome: dict = {}
     fit = threading.Thread(target=lambda: outcome.update(result=_fit(trainer)), name=FIT_THREAD, daemon=True)
