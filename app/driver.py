@@ -92,7 +92,7 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, v
                         time.time() - started)
 
         actors.workers = start_workers(cfg)  # restartable; a restart frees its slots
-        worker_runs = [w.run.remote() for w in actors.workers]
+        actors.runs = worker_runs = [w.run.remote() for w in actors.workers]
         evals = None
         if held_out:
             evals = EvalSchedule(cfg, held_out, actors.metrics)

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 logger = logging.getLogger("app")
+RUNS_END_S = 10.0  # how long teardown waits for the rollout workers' calls to end
 
 
 @dataclass
@@ -23,6 +24,7 @@ class RunActors:
     metrics: ActorHandle
     buffer: ActorHandle
     workers: list[ActorHandle] = field(default_factory=list)
+    runs: list = field(default_factory=list)  # the workers' `run` calls (ObjectRefs)
     evaluator: ActorHandle | None = None
     lease: object | None = None  # app.fleet.FleetLease of a run attached to a fleet
 
@@ -38,8 +40,17 @@ class RunActors:
             ray.get(self.metrics.close.remote(status), timeout=60)
         except Exception as e:
             logger.warning("metrics close failed: %s", e)
+        if status == "FINISHED" and self.runs:  # the buffer is closed: each worker ends after its last group
+            ray.wait(self.runs, num_returns=len(self.runs), timeout=RUNS_END_S)
         for actor in [*self.workers, self.buffer, self.metrics, self.evaluator]:
             kill_actor(actor)
+        # A run the kill ended is expected: taken here, so Ray does not report its error as unhandled.
+        ended = ray.wait(self.runs, num_returns=len(self.runs), timeout=2.0)[0] if self.runs else []
+        for ref in ended:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:
+                pass
         if cfg.run.fleet:  # the fleet serves on; the run's adapters leave with it
             if self.lease is not None:
                 self.lease.detach(status)
