@@ -29,8 +29,7 @@ def run_one(ray, model: Path, workdir: Path, workers: int, zero: int, steps: int
     from app.metrics import METRICS_NAME, RunMetrics
     from common.config import from_dict, validate
     from common.registry import NAMESPACE, REGISTRY_NAME, AdapterRegistry
-    from train_loops.trainer import build_trainer
-    from train_loops.worker import WorkerOptions
+    from train_loops.harness import HarnessOptions, build_trainer
 
     name = f"w{workers}-z{zero}"
     registry = AdapterRegistry.options(name=REGISTRY_NAME, namespace=NAMESPACE).remote(keep=3)
@@ -48,7 +47,7 @@ def run_one(ray, model: Path, workdir: Path, workers: int, zero: int, steps: int
     })
     validate(cfg)
     t0 = time.perf_counter()
-    result = build_trainer(cfg, workdir, options=WorkerOptions(batch_source="synthetic")).fit()
+    result = build_trainer(cfg, workdir, HarnessOptions(runner="ray")).fit()
     wall = time.perf_counter() - t0
     if result.error is not None:
         raise RuntimeError(f"{name} failed: {result.error}")

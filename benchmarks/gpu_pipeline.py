@@ -10,7 +10,7 @@ async with max_staleness 2.
     python -m app bench gpu_pipeline
 
 Phases (each in its own processes, so each starts with a clean GPU):
-- trainer (1 GPU): our trainer (train_loops.worker under torchrun, DeepSpeed ZeRO-2, the step's
+- trainer (1 GPU): our trainer (train_loops.harness under torchrun, DeepSpeed ZeRO-2, the step's
   micro-batches cut by the token budget) against a plain PEFT loop (HF model + PEFT LoRA, gradient
   checkpointing, sdpa, full logits + log-softmax, 16 sequences per micro-batch) on the same tokens.
   One trainer step runs under torch.profiler: its top ops go to gpu_pipeline_profile.txt.
@@ -118,7 +118,7 @@ def model_flops_per_step(model: Path, seqs: int, seq_len: int, completion_len: i
 # ---------------------------------------------------------------------------------------------- trainer
 
 def _run_trainer(args, work: Path, model: Path, sets: list[str], profile: bool) -> tuple[dict, Path]:
-    """One torchrun of train_loops.worker on the synthetic workload; returns its numbers."""
+    """One torchrun of train_loops.harness on the synthetic workload; returns its numbers."""
     import torch
 
     w = WORKLOAD
@@ -139,15 +139,16 @@ def _run_trainer(args, work: Path, model: Path, sets: list[str], profile: bool) 
     from common.config import apply_overrides
 
     apply_overrides(config, sets)  # the CLI's own --set (from_dict turns YAML's on/off back into words)
-    from train_loops.worker import WorkerOptions, loop_config
+    from train_loops.harness import HarnessOptions
+    from train_loops.worker import loop_config
 
-    options = WorkerOptions(runner="torchrun", batch_source="synthetic", checkpoint_dir=str(work / "ck"),
+    options = HarnessOptions(checkpoint_dir=str(work / "ck"),
                             record_dir=str(dump), synthetic_prompt_len=w["prompt_tokens"],
                             synthetic_completion_len=w["new_tokens"])
     work.mkdir(parents=True, exist_ok=True)
     (work / "loop.json").write_text(json.dumps(loop_config(config, options)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-           "-m", "train_loops.worker", str(work / "loop.json")]
+           "-m", "train_loops.harness", str(work / "loop.json")]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
     res: dict = {"trainer_wall_s": time.time() - t0, "trainer_sets": sets}
@@ -669,7 +670,7 @@ def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: s
 
     w = WORKLOAD
     sets = [f"model.path={model}", "model.build_tiny=false", f"model.dtype={w['dtype']}", "model.max_model_len=2048",
-            f"data.path={data}", "reward.fn=app.rewards:hash_reward", f"lora.rank={w['lora_rank']}",
+            f"data.path={data}", "reward.fn=benchmarks.rewards:hash_reward", f"lora.rank={w['lora_rank']}",
             f"lora.alpha={2 * w['lora_rank']}", f"rollout.max_lora_rank={w['lora_rank']}",
             f"grpo.prompts_per_step={w['prompts_per_step']}", f"grpo.group_size={w['group_size']}",
             f"grpo.max_new_tokens={w['new_tokens']}", "grpo.ignore_eos=true", "grpo.lr=1e-4",

@@ -1,4 +1,4 @@
-"""GPU check of the training side (no Ray, no vLLM needed): train_loops.worker under torchrun with
+"""GPU check of the training side (no Ray, no vLLM needed): train_loops.harness under torchrun with
 nccl, bf16, DeepSpeed ZeRO-2/3 over N GPUs, synthetic GRPO batches, on a model shaped like the
 Qwen2.5-1.5B body (hidden 1536, 28 layers, 12/2 heads, intermediate 8960; the tiny character
 vocabulary instead of 151,936 tokens) or on the tiny model.
@@ -41,7 +41,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from app.tiny_model import build_tiny_model
-    from train_loops.worker import WorkerOptions, loop_config
+    from train_loops.harness import HarnessOptions
+    from train_loops.worker import loop_config
 
     work = Path(tempfile.mkdtemp(prefix="gpu-trainer-"))
     t0 = time.time()
@@ -60,12 +61,12 @@ def main(argv=None) -> int:
             "rollout": {"max_lora_rank": max(8, args.rank) if args.rank > 1 else 1},
             "checkpoint": {"every": 0},
         }
-        options = WorkerOptions(runner="torchrun", batch_source="synthetic", checkpoint_dir=str(work / f"ck{zero}"),
+        options = HarnessOptions(checkpoint_dir=str(work / f"ck{zero}"),
                                 record_dir=str(dump))
         cfg_file = work / f"loop_z{zero}.json"
         cfg_file.write_text(json.dumps(loop_config(config, options)))
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-               f"--master_port={free_port()}", "-m", "train_loops.worker", str(cfg_file)]
+               f"--master_port={free_port()}", "-m", "train_loops.harness", str(cfg_file)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                    TOKENIZERS_PARALLELISM="false")
         t1 = time.time()

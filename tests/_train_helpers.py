@@ -1,5 +1,6 @@
-"""Shared pieces of the trainer tests: a tiny model, small configs, a torchrun launcher, and the
-test-only worker that fails once (fault injection stays out of the production loop)."""
+"""Shared pieces of the trainer tests: a tiny model, small configs, a torchrun launcher of the trainer
+harness (train_loops/harness.py), and the test-only worker that fails once (fault injection stays out of the
+production loop)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,8 @@ from pathlib import Path
 
 from common.config import Config, from_dict, validate
 from common.ports import free_port
-from train_loops.worker import GRPOWorker, WorkerOptions, loop_config, read_loop_config
+from train_loops.harness import HarnessOptions, HarnessWorker, read_loop_config
+from train_loops.worker import loop_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,8 +54,8 @@ def small_config(model_path: Path, **sections) -> Config:
 
 
 
-def run_torchrun(cfg: Config, options: WorkerOptions, workdir: Path, nproc: int = 2, timeout: int = 240) -> str:
-    """Run train_loops.worker under torchrun with `cfg` and `options` (its JSON file goes to `workdir`);
+def run_torchrun(cfg: Config, options: HarnessOptions, workdir: Path, nproc: int = 2, timeout: int = 240) -> str:
+    """Run train_loops.harness under torchrun with `cfg` and `options` (its JSON file goes to `workdir`);
     returns combined output, raises with it on failure."""
     workdir.mkdir(parents=True, exist_ok=True)
     cfg_file = workdir / f"loop_cfg_{len(list(workdir.glob('loop_cfg_*')))}.json"
@@ -61,7 +63,7 @@ def run_torchrun(cfg: Config, options: WorkerOptions, workdir: Path, nproc: int 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", "-m", "train_loops.worker", str(cfg_file)]
+           f"--master_port={free_port()}", "-m", "train_loops.harness", str(cfg_file)]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr
     if p.returncode != 0:
@@ -70,18 +72,18 @@ def run_torchrun(cfg: Config, options: WorkerOptions, workdir: Path, nproc: int 
 
 
 def read_steps(record_dir: Path) -> list[dict]:
-    """The per-step rows rank 0 wrote to WorkerOptions.record_dir."""
+    """The per-step rows rank 0 wrote to HarnessOptions.record_dir."""
     return [json.loads(line) for line in (record_dir / "steps.jsonl").read_text().splitlines()]
 
 
-class FailOnceWorker(GRPOWorker):
+class FailOnceWorker(HarnessWorker):
     """Test-only fault injection under Ray Train: rank `fail_rank` dies like a killed process
     (os._exit: no exception handling, no cleanup) at the start of step `fail_step`, once (`marker`, a
     file, remembers across the restart). It dies only after Ray Train has registered every checkpoint
     reported so far (`ray.train.get_all_reported_checkpoints` waits for that), so the group restores
     from the last checkpoint before that step, not an earlier one: the test knows what comes next."""
 
-    def __init__(self, cfg: Config, options: WorkerOptions, *, fail_step: int, fail_rank: int, marker: str):
+    def __init__(self, cfg: Config, options: HarnessOptions, *, fail_step: int, fail_rank: int, marker: str):
         super().__init__(cfg, options)
         self.fail_step, self.fail_rank, self.marker = fail_step, fail_rank, Path(marker)
 
@@ -97,7 +99,7 @@ class FailOnceWorker(GRPOWorker):
 
 def fail_once_loop(fail_step: int, fail_rank: int, marker: Path):
     """The Ray Train loop function that runs FailOnceWorker (hand it to TorchTrainer in place of
-    train_loops.worker.train_loop_per_worker). Ray's workers cannot import this module (tests/ is not
+    train_loops.harness.train_loop_per_worker). Ray's workers cannot import this module (tests/ is not
     installed), so it travels by value with the function."""
     import ray.cloudpickle
 

@@ -137,7 +137,7 @@ def _step_gradient(model, samples, world: int, budget: int, opts) -> torch.Tenso
                                             ("grpo", "seq-mean-token-sum"), ("dr_grpo", "token-mean"),
                                             ("gspo", "token-mean"), ("cispo", "token-mean"), ("dapo", "token-mean")])
 def test_step_gradient_is_the_same_for_any_split(loss, loss_agg):
-    from train_loops.batches import synthetic_batch
+    from train_loops.harness import synthetic_batch
     from train_loops.lora import build_lora_model
 
     cfg = small_config(tiny_model(), lora={"rank": 4, "alpha": 8.0}, grpo={"loss": loss, "loss_agg": loss_agg,
@@ -163,14 +163,14 @@ def test_step_gradient_is_the_same_for_any_split(loss, loss_agg):
 def test_deepspeed_step_is_the_same_for_any_split(tmp_path):
     """Real DeepSpeed ZeRO-2, 2 ranks under torchrun: one step with one micro-batch per rank and one
     with several give the same gradient norm, and the plan is what the budget says."""
-    from train_loops.worker import WorkerOptions
+    from train_loops.harness import HarnessOptions
 
     model = tiny_model()
     norms = {}
     for budget in (512, 32):
         cfg = small_config(model, model={"max_model_len": 32},
                            train={"zero_stage": 2, "total_steps": 1, "max_tokens_per_micro_batch": max(budget, 32)})
-        run_torchrun(cfg, WorkerOptions(batch_source="synthetic", checkpoint_dir=str(tmp_path / f"ck{budget}"),
+        run_torchrun(cfg, HarnessOptions(checkpoint_dir=str(tmp_path / f"ck{budget}"),
                                         record_dir=str(tmp_path / f"dump{budget}")), tmp_path)
         row = read_steps(tmp_path / f"dump{budget}")[-1]
         norms[budget] = (row["grad_norm"], row["micro_batches"])

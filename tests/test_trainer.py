@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _train_helpers import read_steps, run_torchrun, small_config, tiny_model  # noqa: E402
 
 from common.config import ConfigError  # noqa: E402
-from train_loops.worker import WorkerOptions  # noqa: E402
+from train_loops.harness import HarnessOptions  # noqa: E402
 
 COMPILE_LINES = re.compile(r"ninja|Building extension|built successfully|Emitting ninja", re.I)
 
@@ -53,7 +53,7 @@ def zero2_run(tmp_path_factory):
     model = tiny_model()
     cfg = small_config(model, train={"total_steps": 4, "zero_stage": 2}, checkpoint={"every": 2},
                        grpo={"lr_schedule": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1})
-    out = run_torchrun(cfg, WorkerOptions(batch_source="synthetic", checkpoint_dir=str(root / "ck"),
+    out = run_torchrun(cfg, HarnessOptions(checkpoint_dir=str(root / "ck"),
                                           record_dir=str(root / "dump")), root)
     return root, model, cfg, out
 
@@ -75,7 +75,7 @@ def test_zero2_only_lora_params_change(zero2_run):
 @pytest.mark.slow
 def test_resume_is_bit_identical(zero2_run):
     root, model, cfg, _ = zero2_run
-    run_torchrun(cfg, WorkerOptions(batch_source="synthetic", checkpoint_dir=str(root / "ck2"),
+    run_torchrun(cfg, HarnessOptions(checkpoint_dir=str(root / "ck2"),
                                     record_dir=str(root / "dump2"),
                                     resume_from=str(root / "ck" / "checkpoint_000002")), root)
     straight = load(root / "ck" / "checkpoint_000004" / "adapter" / "adapter_model.safetensors")
@@ -122,7 +122,7 @@ def test_zero3_kl_tis_micro_batches_only_lora_changes_and_resumes(tmp_path):
                        grpo={"kl_coef": 0.1, "tis_cap": 2.0, "loss_agg": "seq-mean-token-sum"},
                        lora={"target_modules": ["q_proj", "v_proj", "up_proj"]})
     # persistence threshold 0: really partition even the tiny model's small tensors
-    options = WorkerOptions(batch_source="synthetic", checkpoint_dir=str(tmp_path / "ck"),
+    options = HarnessOptions(checkpoint_dir=str(tmp_path / "ck"),
                             record_dir=str(tmp_path / "dump"),
                             ds_overrides={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
     out = run_torchrun(cfg, options, tmp_path)

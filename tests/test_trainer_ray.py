@@ -24,7 +24,7 @@ def ray_session():
 
 
 @pytest.mark.slow
-def test_torchtrainer_checkpoints_publishes_restores_and_resumes_from_buffer(ray_session, tmp_path, monkeypatch):
+def test_torchtrainer_checkpoints_publishes_restores_and_resumes_from_buffer(ray_session, tmp_path):
     ray = ray_session
     from safetensors.torch import load_file
 
@@ -34,8 +34,7 @@ def test_torchtrainer_checkpoints_publishes_restores_and_resumes_from_buffer(ray
     from common.registry import NAMESPACE, REGISTRY_NAME, AdapterRegistry
     from common.types import Group
     from train_loops import trainer
-    from train_loops.batches import synthetic_batch
-    from train_loops.worker import WorkerOptions
+    from train_loops.harness import HarnessOptions, synthetic_batch
 
     registry = AdapterRegistry.options(name=REGISTRY_NAME, namespace=NAMESPACE).remote(keep=3)
     metrics = RunMetrics.options(name=METRICS_NAME, namespace=NAMESPACE).remote(str(tmp_path / "run"))
@@ -45,9 +44,8 @@ def test_torchtrainer_checkpoints_publishes_restores_and_resumes_from_buffer(ray
     # rank 1 dies at the start of step 3, once Ray Train has registered checkpoint_000002: both workers
     # restart from it and step 3 runs again (its version too: the failed attempt published nothing)
     marker = tmp_path / "failed-once"
-    with monkeypatch.context() as patch:
-        patch.setattr(trainer, "train_loop_per_worker", fail_once_loop(3, 1, marker))
-        result = trainer.build_trainer(cfg, tmp_path / "run", options=WorkerOptions(batch_source="synthetic")).fit()
+    result = trainer.build_trainer(cfg, tmp_path / "run", options=HarnessOptions(runner="ray"),
+                                   loop=fail_once_loop(3, 1, marker)).fit()
     assert result.error is None and marker.exists()
     ck = Path(result.checkpoint.path)
     state = json.loads((ck / "train_state.json").read_text())

@@ -1,14 +1,12 @@
-"""Where a step's samples come from (the RolloutBuffer, or a deterministic synthetic stream) and how a
-list of samples becomes padded tensors for the loss."""
+"""Where a step's samples come from (the RolloutBuffer; train_loops/harness.py makes synthetic ones) and how
+a list of samples becomes padded tensors for the loss."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from common.types import Group, Sample
-from train_loops.grpo import group_advantages
 
 
 @dataclass
@@ -49,33 +47,6 @@ class StepBatch:
             hits = [e["prefix_hits"][k] for e in eps if len(e["prefix_hits"]) > k]
             out[f"prefix_hit_turn{k + 1}"] = sum(hits) / len(hits)
         return out
-
-
-def synthetic_batch(seed: int, step: int, n_groups: int, group_size: int, vocab: int,
-                    max_new_tokens: int, scale_rewards: bool = True, prompt_len: int | None = None,
-                    completion_len: int | None = None) -> StepBatch:
-    """A pure function of (seed, step): random prompts/completions, 0/1 rewards, and behaviour logprobs
-    near the uniform -log(vocab) (what a freshly initialised tiny model gives), so ratios stay near 1.
-    Lengths are random (prompts 4-12, completions 2..max_new_tokens) unless `prompt_len` /
-    `completion_len` fix them (speed benchmarks)."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    rewards = (torch.rand(n_groups, group_size, generator=gen) < 0.5).float()
-    adv = group_advantages(rewards, scale_by_std=scale_rewards)
-    groups = []
-    for index in range(n_groups):
-        plen = prompt_len or int(torch.randint(4, 13, (1,), generator=gen))
-        prompt = torch.randint(3, vocab, (plen,), generator=gen).tolist()
-        prompt_id = f"s{step}-p{index}"
-        samples = []
-        for member in range(group_size):
-            clen = completion_len or int(torch.randint(2, max_new_tokens + 1, (1,), generator=gen))
-            comp = torch.randint(3, vocab, (clen,), generator=gen).tolist()
-            blp = (-math.log(vocab) + 0.05 * torch.randn(clen, generator=gen)).tolist()
-            samples.append(Sample(prompt_ids=prompt, completion_ids=comp, behaviour_logprobs=blp,
-                                  reward=float(rewards[index, member]), advantage=float(adv[index, member]),
-                                  version=step, prompt_id=prompt_id, group_id=prompt_id))
-        groups.append(Group(samples=samples, version=step, prompt_id=prompt_id))
-    return StepBatch(groups=groups)
 
 
 class RunClosed(Exception):

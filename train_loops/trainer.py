@@ -16,26 +16,26 @@ MAX_FAILURES = 2
 
 def build_trainer(cfg: Config, run_dir: str | Path, *, resume_from: str | None = None,
                   train_run_name: str | None = None, options: WorkerOptions | None = None,
-                  max_failures: int = MAX_FAILURES):
+                  max_failures: int = MAX_FAILURES, loop=None):
     """TorchTrainer over `cfg.train.num_workers` workers; `.fit()` runs it.
 
     Checkpoints land under `run_dir/<run.name>/checkpoint_<step>`; Ray keeps `checkpoint.keep` of them.
     A worker failure restarts the group (up to `max_failures` times; -1: no limit) and the loop resumes from the last
     reported checkpoint via `ray.train.get_checkpoint()`; `resume_from` (Train V2 has no
     resume_from_checkpoint) travels in the workers' options and is used only when Ray has no checkpoint.
-    `options` (default: batches from the RolloutBuffer, the run's named actors) says how the workers run;
-    its runner is always "ray" here.
+    `options` (default: the run's named actors) says how the workers run; `loop` (default
+    train_loop_per_worker) is the function each worker runs (train_loops.harness passes its own).
     `train_run_name` (default run.name): Ray Train's run name under run_dir; a resumed run uses a new one so
     Ray's bookkeeping of the earlier attempt plays no part (the driver finds checkpoints under all of them)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    options = replace(options or WorkerOptions(), runner="ray")
+    options = options or WorkerOptions()
     if resume_from:
         options = replace(options, resume_from=str(Path(resume_from).resolve()))
     train = cfg.train
     return TorchTrainer(
-        train_loop_per_worker,
+        loop or train_loop_per_worker,
         train_loop_config=loop_config(cfg, options),
         torch_config=TorchConfig(backend="nccl" if train.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=train.num_workers, use_gpu=train.use_gpu,

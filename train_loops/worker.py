@@ -1,13 +1,14 @@
-"""The per-worker GRPO loop. Runs under Ray Train's TorchTrainer (runner "ray") and under plain
-torchrun (runner "torchrun": `python -m torch.distributed.run --nproc_per_node N -m train_loops.worker
-LOOP.json`, LOOP.json holding `loop_config(cfg, options)`), the second for fast tests without Ray.
+"""The per-worker GRPO loop, run by Ray Train's TorchTrainer (train_loops/trainer.py). Rank 0 pulls each
+step's groups from the RolloutBuffer actor and broadcasts them; checkpoints go through `ray.train.report`.
+(train_loops/harness.py runs the same worker on synthetic batches, under torchrun or Ray Train, for tests
+and the speed benchmarks.)
 
-What a worker runs is the typed `Config` plus `WorkerOptions` (how this process is started: runner,
-batch source, where checkpoints and records go, the actors it talks to). `cfg.train.profile_step` runs
-one step under torch.profiler (RUN_DIR/profile.txt).
+What a worker runs is the typed `Config` plus `WorkerOptions` (a checkpoint to start from, the actors it
+talks to, DeepSpeed overrides). `cfg.train.profile_step` runs one step under torch.profiler
+(RUN_DIR/profile.txt).
 
-The data cursor (common/data_cursor.py): with batch_source "buffer", `state["data"]` records per data
-epoch the prompt ids the trained steps used (and groups dynamic sampling filtered); it is saved in every
+The data cursor (common/data_cursor.py): `state["data"]` records per data epoch the prompt ids the
+trained steps used (and groups dynamic sampling filtered); it is saved in every
 checkpoint, a restore hands the buffer back what later (lost) steps took (`RolloutBuffer.rewind`), and
 each step's row carries its prompts (`prompts`, "epoch:id") and `prompt_repeats` (must stay 0).
 Stop: the driver's Ctrl-C sets the buffer's stop flag; after the step in progress the loop checkpoints
@@ -15,15 +16,11 @@ and ends (every rank agrees through a broadcast).
 """
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -32,58 +29,40 @@ from common.config import Config, from_dict, validate
 from common.data_cursor import ConsumedPrompts, parse_prompt_key, prompt_key
 from common.names import BUFFER_NAME, METRICS_NAME, REGISTRY_NAME
 from train_loops import checkpoint as ckpt
-from train_loops.batches import RunClosed, StepBatch, buffer_batch, collate, synthetic_batch
+from train_loops.batches import RunClosed, StepBatch, buffer_batch, collate
 from train_loops.losses import get_policy_loss
-
-_MAX_KEYS = ("log_ratio_abs_max",)
-_SUM_KEYS = ("tokens", "seq_tokens", "padded_tokens")
+from train_loops.step_stats import STAT_KEYS, combine, fresh_log_ratio
 
 
 @dataclass(frozen=True)
 class WorkerOptions:
     """How a train worker process is started, beside the run's Config.
 
-    runner          "ray" (Ray Train; build_trainer) | "torchrun" (`main`)
-    batch_source    "buffer": rank 0 pulls each step's groups from the RolloutBuffer actor and broadcasts;
-                    "synthetic": a pure function of (seed, step), for tests and the speed benchmarks,
-                    with fixed lengths when `synthetic_prompt_len` / `synthetic_completion_len` are set
     resume_from     a checkpoint directory to start from (a Ray Train restart's own checkpoint wins)
-    checkpoint_dir  torchrun: where checkpoint_<step> directories go (default RUN_DIR/checkpoints)
-    registry_name   the AdapterRegistry actor to publish to (when Ray is up)
-    metrics_name    the RunMetrics actor that gets rank 0's per-step rows (when Ray is up)
+    registry_name   the AdapterRegistry actor to publish to
+    metrics_name    the RunMetrics actor that gets rank 0's per-step rows
     ds_overrides    merged into the DeepSpeed config
-    record_dir      rank 0 writes trainer_info.json, steps.jsonl (one row per step) and, at the end, the
-                    full weights (full_state.safetensors, PEFT names): runs without RunMetrics (torchrun)
     """
 
-    runner: Literal["ray", "torchrun"] = "ray"
-    batch_source: Literal["buffer", "synthetic"] = "buffer"
-    synthetic_prompt_len: int | None = None
-    synthetic_completion_len: int | None = None
     resume_from: str | None = None
-    checkpoint_dir: str | None = None
     registry_name: str | None = REGISTRY_NAME
     metrics_name: str | None = METRICS_NAME
     ds_overrides: dict | None = None
-    record_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.runner not in ("ray", "torchrun"):
-            raise ValueError(f"runner {self.runner!r} is not ray or torchrun")
-        if self.batch_source not in ("buffer", "synthetic"):
-            raise ValueError(f"batch_source {self.batch_source!r} is not buffer or synthetic")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict) -> WorkerOptions:
-        """Unknown keys are an error (TypeError naming the key)."""
+        """Unknown keys are an error naming them."""
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(f"{cls.__name__}: unknown options {unknown}")
         return cls(**values)
 
 
 def loop_config(config: Config | dict, options: WorkerOptions) -> dict:
-    """What a worker is started with: Ray Train's train_loop_config, and the torchrun JSON file."""
+    """What a worker is started with: Ray Train's train_loop_config (and the harness's torchrun file)."""
     return {"config": config.to_dict() if isinstance(config, Config) else dict(config),
             "options": options.to_dict()}
 
@@ -117,7 +96,6 @@ class GRPOWorker:
 
         self.cfg, self.options = cfg, options
         use_run_namespace(cfg)
-        self.runner, self.source = options.runner, options.batch_source
         self._count_start()  # first: a start that crashes below (model load, restore) must count too
         init_distributed(cfg.train.use_gpu)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -149,9 +127,6 @@ class GRPOWorker:
                      "max_tokens_per_micro_batch": self.token_budget, "device": str(self.device)}
         if self.rank == 0:
             print("trainer: " + ", ".join(f"{k} {v}" for k, v in self.info.items()), flush=True)
-            record = self._record_dir()
-            if record is not None:
-                (record / "trainer_info.json").write_text(json.dumps(self.info))
         self.state = {"step": 0, "version": 0, "consumed_groups": 0}
         self._restore()
         self.consumed = ConsumedPrompts.from_state(self.state.get("data"))
@@ -179,7 +154,6 @@ class GRPOWorker:
                     self.save_checkpoint(step, row)
                 break
         self.publisher.flush()  # the last version is served before the run reports done
-        self._record_final_weights()
 
     def step(self, step: int) -> dict:
         """batch -> logprobs -> (ref logprobs) -> loss -> backward -> step -> publish -> report."""
@@ -227,18 +201,12 @@ class GRPOWorker:
         return row
 
     def next_batch(self, step: int) -> StepBatch:
-        grpo = self.cfg.grpo
-        if self.source == "synthetic":
-            return synthetic_batch(self.cfg.train.seed, step, grpo.prompts_per_step, grpo.group_size, self.vocab,
-                                   grpo.max_new_tokens, self.cfg.scale_advantages,
-                                   prompt_len=self.options.synthetic_prompt_len,
-                                   completion_len=self.options.synthetic_completion_len)
         batch = None
         if self.rank == 0:
             if self.buffer is None:
-                raise RuntimeError(f"batch_source buffer: no {BUFFER_NAME} actor (Ray is not up, or the driver "
+                raise RuntimeError(f"no {BUFFER_NAME} actor to take batches from (Ray is not up, or the driver "
                                    "did not start one)")
-            batch = buffer_batch(self.buffer, self.publisher.version, grpo.prompts_per_step)
+            batch = buffer_batch(self.buffer, self.publisher.version, self.cfg.grpo.prompts_per_step)
         obj = [batch]
         dist.broadcast_object_list(obj, src=0, device=self._obj_device())
         if obj[0] is None:  # every rank learns it together, so none waits in a collective
@@ -273,11 +241,11 @@ class GRPOWorker:
             self.engine.backward(loss * weight, scale_wrt_gas=False)
             self.engine.step()  # applies the update only at the boundary
             if weight:
-                part_stats.update(_fresh_log_ratio(logp, tensors, part, current))
+                part_stats.update(fresh_log_ratio(logp, tensors, part, current))
                 micro_stats.append({**part_stats, "loss": float(loss.detach()),
                                     "seq_tokens": int(tensors["attention_mask"].sum()),
                                     "padded_tokens": int(tensors["attention_mask"].numel())})
-        stats = _combine(micro_stats)
+        stats = combine(micro_stats)
         stats["loss"] *= len(micro_stats)  # micro-batch losses are shares of the step's loss: sum them
         stats["micro_batches"] = n_micro
         stats["lr"] = lr
@@ -308,20 +276,18 @@ class GRPOWorker:
 
     # ------------------------------------------------------------------ reporting, checkpoints
 
-    def report(self, step: int, row: dict) -> None:
-        """Average the per-rank stats, then rank 0 logs one row (RunMetrics actor and/or record_dir)."""
+    def report(self, step: int, row: dict) -> dict | None:
+        """Average the per-rank stats; rank 0 sends the row to the RunMetrics actor and returns it (None
+        on the other ranks)."""
         rows = [None] * self.world
         dist.all_gather_object(rows, row)
         if self.rank != 0:
-            return
-        merged = {**row, **_combine([{k: r[k] for k in r if k in _STAT_KEYS} for r in rows])}
+            return None
+        merged = {**row, **combine([{k: r[k] for k in r if k in STAT_KEYS} for r in rows])}
         merged["train_tokens_per_s"] = merged["seq_tokens"] / max(max(r["learn_seconds"] for r in rows), 1e-9)
         if self.metrics is not None:
             self.metrics.log_train.remote(step, merged)
-        record = self._record_dir()
-        if record is not None:
-            with (record / "steps.jsonl").open("a") as out:
-                out.write(json.dumps({"step": step, **merged}) + "\n")
+        return merged
 
     def save_checkpoint(self, step: int, row: dict) -> None:
         # A checkpoint's version is one the registry holds: a resume republishes from a consistent state.
@@ -330,13 +296,6 @@ class GRPOWorker:
 
         lora = gather_lora_state(self.model, self.cfg.train.zero_stage)
         name = f"checkpoint_{step:06d}"
-        if self.runner == "torchrun":
-            parent = Path(self.options.checkpoint_dir or self.cfg.run_dir / "checkpoints")
-            ckpt.save(self.engine, parent / name, rank=self.rank, state=self.state, lora=lora,
-                      peft_config=self.peft_config)
-            if self.rank == 0:
-                ckpt.trim(parent, self.cfg.checkpoint.keep)
-            return
         import ray.train
 
         local = tempfile.mkdtemp(prefix="grpo-ckpt-")
@@ -351,14 +310,13 @@ class GRPOWorker:
     def _restore(self) -> None:
         """A Ray Train restart's own checkpoint first (failure recovery), else `resume_from` (the
         options', then the config's)."""
-        if self.runner == "ray":
-            import ray.train
+        import ray.train
 
-            own = ray.train.get_checkpoint()
-            if own is not None:
-                with own.as_directory() as path:
-                    self.state = ckpt.load(self.engine, path, rank=self.rank)
-                return
+        own = ray.train.get_checkpoint()
+        if own is not None:
+            with own.as_directory() as path:
+                self.state = ckpt.load(self.engine, path, rank=self.rank)
+            return
         path = self.options.resume_from or self.cfg.checkpoint.resume_from
         if path:
             self.state = ckpt.load(self.engine, path, rank=self.rank)
@@ -366,8 +324,6 @@ class GRPOWorker:
     def _record_prompts(self, batch: StepBatch) -> dict:
         """The data cursor's trainer half: this step's prompts (and the groups filtered since the last
         step) join the record the next checkpoint saves. Returns the row's `prompts`/`prompt_repeats`."""
-        if self.source != "buffer":
-            return {}
         keys = [prompt_key(g.epoch, g.prompt_id) for g in batch.groups]
         for k in [*keys, *batch.filtered]:
             self.consumed.add(*parse_prompt_key(k))
@@ -376,9 +332,8 @@ class GRPOWorker:
                 "prompt_repeats": self.consumed.repeats}
 
     def _find_buffer(self):
-        """Rank 0's handle on the RolloutBuffer actor with batch_source buffer; None elsewhere, and where
-        there is none (no Ray: torchrun)."""
-        if self.rank != 0 or self.source != "buffer":
+        """Rank 0's handle on the RolloutBuffer actor; None on the other ranks, and where there is none."""
+        if self.rank != 0:
             return None
         return self._find_buffer_actor()
 
@@ -391,19 +346,9 @@ class GRPOWorker:
         except ValueError:  # Ray is up but no buffer was started
             return None
 
-    def _record_dir(self) -> Path | None:
-        """Rank 0's `record_dir` (created), or None."""
-        if self.rank != 0 or not self.options.record_dir:
-            return None
-        path = Path(self.options.record_dir)
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-
     def _count_start(self) -> None:
         """Rank 0 tells the buffer a worker group started: the driver's restart budget (app/watch.py) counts
         starts with no step between. Ray Train's rank, since torch.distributed is not up yet."""
-        if self.runner != "ray" or self.source != "buffer":
-            return
         import ray
         import ray.train
 
@@ -423,8 +368,6 @@ class GRPOWorker:
 
     def _stop_requested(self) -> bool:
         """Collective: rank 0 asks the buffer whether the driver asked to stop; every rank gets the answer."""
-        if self.source != "buffer":  # every rank knows: no buffer, no stop request, no collective
-            return False
         flag = False
         if self.buffer is not None:
             import ray
@@ -438,75 +381,17 @@ class GRPOWorker:
             dist.broadcast_object_list(obj, src=0, device=self._obj_device())
         return bool(obj[0])
 
-    def _record_final_weights(self) -> None:
-        """With `record_dir`: the trainer's full final weights (base + LoRA, PEFT names) from rank 0.
-        Collective under ZeRO-3 (every rank joins the gather)."""
-        if not self.options.record_dir:
-            return
-        import contextlib
-
-        params = list(self.model.parameters())
-        ctx = contextlib.nullcontext()
-        if self.cfg.train.zero_stage == 3:
-            import deepspeed
-
-            ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-        with ctx:
-            full = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in self.model.named_parameters()}
-        if self.rank == 0:
-            from safetensors.torch import save_file
-
-            save_file(full, str(self._record_dir() / "full_state.safetensors"))
-        dist.barrier()
-
     def _device(self) -> torch.device:
         if not self.cfg.train.use_gpu:
             return torch.device("cpu")
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if self.runner == "ray":
-            import ray.train
-
-            local = ray.train.get_context().get_local_rank()
+        local = self._local_rank()
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
 
+    def _local_rank(self) -> int:
+        import ray.train
+
+        return ray.train.get_context().get_local_rank()
+
     def _obj_device(self):
         return self.device if self.device.type == "cuda" else None
-
-
-_STAT_KEYS = ("loss", "kl", "clip_frac", "entropy", "log_ratio_abs_mean", "log_ratio_abs_max", "tokens",
-              "seq_tokens", "padded_tokens", "grad_norm", "tis_weight_mean", "tis_clip_frac", "micro_batches",
-              "is_weight_mean", "seq_log_ratio_abs_mean", "log_ratio_fresh")
-
-
-def _fresh_log_ratio(logp, tensors: dict, part: list, current: int) -> dict:
-    """Mean |trainer - vLLM| logprob over the tokens of samples the current weights generated: the
-    engines' numerical mismatch alone, without the policy drift that staler samples add."""
-    fresh = torch.tensor([s.version == current for s in part], device=logp.device)
-    sel = tensors["mask"] & fresh[:, None]
-    if not bool(sel.any()):
-        return {}
-    return {"log_ratio_fresh": float((logp.detach().float() - tensors["behaviour_logp"]).abs()[sel].mean())}
-
-
-def _combine(stats: list[dict]) -> dict:
-    """Mean over micro-batches / ranks (of those that have the key), max for maxima, sum for counts."""
-    out = {}
-    for k in dict.fromkeys(k for s in stats for k in s):
-        vals = [s[k] for s in stats if k in s]
-        out[k] = max(vals) if k in _MAX_KEYS else sum(vals) if k in _SUM_KEYS else sum(vals) / len(vals)
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """torchrun entry: the one argument is a JSON file holding `loop_config(cfg, options)`."""
-    argv = sys.argv[1:] if argv is None else argv
-    cfg, options = read_loop_config(json.loads(Path(argv[0]).read_text()))
-    run_worker(cfg, replace(options, runner="torchrun"))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
