@@ -306,16 +306,3 @@ def report(run_dir: str | Path, plots: bool = True) -> str:
         pngs = [p for p in (plot_rewards(rows, run_dir / "reward_curve.png", title=title),
                             plot_report(rows, run_dir / "report.png", title=title, workers=workers)) if p]
     return report_text(run_dir, rows, bad, summary, cfg, pngs)
-
-
-def proportion_z(first: list[dict], last: list[dict], samples_per_row: int) -> float:
-    """Two-proportion z statistic of the per-sample success rate, `last` rows vs `first` rows (each row a
-    step whose `reward_mean` averages `samples_per_row` 0/1 rewards): how far the reward rose beyond noise."""
-    import math
-
-    n1, n2 = len(first) * samples_per_row, len(last) * samples_per_row
-    p1 = sum(r["reward_mean"] for r in first) * samples_per_row / n1
-    p2 = sum(r["reward_mean"] for r in last) * samples_per_row / n2
-    p = (p1 * n1 + p2 * n2) / (n1 + n2)
-    se = math.sqrt(max(p * (1 - p), 1e-9) * (1 / n1 + 1 / n2))
-    return (p2 - p1) / se

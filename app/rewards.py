@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,13 +24,6 @@ RewardFn = Callable[[str, str, str], float]
 def letter_reward(completion: str, answer: str, prompt: str = "") -> float:
     """The toy task: 1 when the reply is exactly the named letter (surrounding whitespace ignored)."""
     return 1.0 if completion.strip() == answer.strip() else 0.0
-
-
-def hash_reward(completion: str, answer: str = "", prompt: str = "") -> float:
-    """Speed work only: a pseudo-random 0/1 of the completion text (crc32 parity). There is no skill to
-    learn, but groups get mixed rewards, so every step has a gradient and publishes a new adapter; a
-    random-weights model earns 0 from any real task and would only ever tag."""
-    return float(zlib.crc32(completion.encode("utf-8", "replace")) & 1)
 
 
 _BOXED = re.compile(r"\\boxed\s*\{")

@@ -162,7 +162,7 @@ def inject_faults(chaos: Chaos, proc, schedule, minutes: float, t0: float) -> li
 
 
 def _z(rows: list[dict]) -> float | None:
-    from app.report import proportion_z
+    from common.stats import proportion_z
 
     k = len(rows) // 4
     return round(proportion_z(rows[:k], rows[-k:], PER_STEP * GROUP), 2) if k else None

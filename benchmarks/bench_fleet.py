@@ -31,7 +31,7 @@ gpu_memory_utilization.
   replica serves the new version), p50 / p95 per mode and K.
 
 Goals (docs/FLEET.md): shared <= 0.7 x sequential wall time at K = 2, reward z > 3 for every run (first vs
-last quarter of its steps, app.report.proportion_z), shares within 15% of fair (1 / K). Prints a table and
+last quarter of its steps, common.stats.proportion_z), shares within 15% of fair (1 / K). Prints a table and
 writes benchmarks/results/fleet.json and fleet.png (fleet_quick.* with --quick; --name and --out to put them
 elsewhere): wall time per K per mode, and each run's reward curve. The JSON is rewritten after every group
 of runs, so a call cut short keeps what it measured. --modes picks shared, sequential or both; --merge-into
@@ -184,7 +184,7 @@ def _rows(path: Path) -> list[dict]:
 
 
 def _z(rows: list[dict], samples_per_row: int) -> float | None:
-    from app.report import proportion_z
+    from common.stats import proportion_z
 
     k = len(rows) // 4
     return round(proportion_z(rows[:k], rows[-k:], samples_per_row), 2) if k else None

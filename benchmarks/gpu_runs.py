@@ -57,7 +57,7 @@ def _rate(rows: list[dict]) -> float | None:
 
 
 def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command: str) -> dict:
-    from app.report import proportion_z
+    from common.stats import proportion_z
 
     steady = rows[2:] or rows
     k = max(1, len(rows) // 4)

@@ -111,7 +111,7 @@ def eval_on_clock(rows: list[dict], history: list[dict]) -> list[dict]:
 
 
 def record(cfg, rows: list[dict], summary: dict, wall: float, command: str, model: str) -> dict:
-    from app.report import proportion_z
+    from common.stats import proportion_z
 
     k = max(1, len(rows) // 4)
     history = eval_on_clock(rows, summary.get("eval_history", []))

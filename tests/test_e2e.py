@@ -13,9 +13,10 @@ import httpx
 import pytest
 import torch
 
-from app.report import proportion_z, read_rows
+from app.report import read_rows
 from common import config as C
 from common.processes import descendant_pids
+from common.stats import proportion_z
 from tests._serve_helpers import free_port
 
 pytestmark = pytest.mark.slow

@@ -25,8 +25,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.report import proportion_z, read_rows
+from app.report import read_rows
 from common import config as C
+from common.stats import proportion_z
 from tests._serve_helpers import free_port
 
 pytestmark = pytest.mark.slow
