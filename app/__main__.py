@@ -219,6 +219,12 @@ def cmd_bench(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in scripts:
         print("usage: python -m app bench NAME [args]\nbenchmarks: " + ", ".join(sorted(scripts)))
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    import importlib.util
+
+    if importlib.util.find_spec("benchmarks") is None:  # a package of the repository, not of the install
+        print(f"python -m app bench: run it from the repository root ({bench_dir.parent}): the benchmarks "
+              "package is not importable from here", file=sys.stderr)
+        return 2
     sys.argv = [scripts[argv[0]].name, *argv[1:]]
     runpy.run_module(f"benchmarks.{scripts[argv[0]].stem}", run_name="__main__", alter_sys=True)
     return 0
