@@ -144,23 +144,33 @@ class VllmServer:
     at once; a thread watches its log and /health, so our service starts while this one does
     (`wait_kv`, `wait_ready`). `kv_s` / `ready_s`: seconds from launch to its KV cache / its /health 200."""
 
-    def __init__(self, cfg, adapter: Path, log_path: Path, on_event=None, timeout_s: float = 900,
-                 log_kv: bool = False):
+    def __init__(self, cmd: list[str], port: int, log_path: Path, env: dict | None = None,
+                 env_extra: dict | None = None, on_event=None, timeout_s: float = 900):
+        """Launch `cmd`, a server that answers GET /health on `port` once ready (`for_engine`: vLLM's own);
+        `env` and `env_extra` (recorded apart: what the replica's engine gets, and what only this one
+        does) go on top of this process's environment."""
+        self.cmd, self.port, self.log_path = cmd, port, log_path
+        self.env, self.env_extra = dict(env or {}), dict(env_extra or {})
+        full_env = dict(os.environ, **{**self.env, **self.env_extra}, PYTHONPATH=os.pathsep.join(filter(None, [
+            str(REPO), os.environ.get("PYTHONPATH")])), PYTHONUNBUFFERED="1")
+        self._start(full_env, on_event, timeout_s)
+
+    @classmethod
+    def for_engine(cls, cfg, adapter: Path, log_path: Path, on_event=None, timeout_s: float = 900,
+                   log_kv: bool = False) -> VllmServer:
+        """vLLM's api_server on the engine settings our replica gets from `cfg`, serving `adapter`."""
         from serve_deployments.engine_config import engine_env, engine_kwargs
 
-        self.port = free_port()
+        port = free_port()
         kw = engine_kwargs(cfg)
-        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", kw["model"],
-                    *engine_flags(kw), "--lora-modules", f"{WORKLOAD['model_name']}={adapter}",
-                    "--host", "127.0.0.1", "--port", str(self.port)]
-        self.env = engine_env(cfg)  # the replica's engine gets the same
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", kw["model"],
+               *engine_flags(kw), "--lora-modules", f"{WORKLOAD['model_name']}={adapter}",
+               "--host", "127.0.0.1", "--port", str(port)]
+        env = engine_env(cfg)  # the replica's engine gets the same
         # `log_kv`: its engine's INFO lines (at startup; with disable_log_stats none while serving), for KV_LINE.
-        self.env_extra = ({"VLLM_LOGGING_LEVEL": "INFO"} if log_kv and self.env.get("VLLM_LOGGING_LEVEL", "INFO")
-                          not in ("INFO", "DEBUG") else {})
-        env = dict(os.environ, **{**self.env, **self.env_extra}, PYTHONPATH=os.pathsep.join(filter(None, [
-            str(REPO), os.environ.get("PYTHONPATH")])), PYTHONUNBUFFERED="1")
-        self.log_path = log_path
-        self._start(env, on_event, timeout_s)
+        extra = ({"VLLM_LOGGING_LEVEL": "INFO"} if log_kv and env.get("VLLM_LOGGING_LEVEL", "INFO")
+                 not in ("INFO", "DEBUG") else {})
+        return cls(cmd, port, log_path, env, extra, on_event, timeout_s)
 
     def _start(self, env: dict, on_event, timeout_s: float) -> None:
         """Launch self.cmd (output to self.log_path) and the thread that watches it and self.port's /health."""
@@ -657,8 +667,8 @@ def main(argv=None) -> int:
     rounds = progress.rounds
     server = front_watch = None
     try:
-        server = VllmServer(cfg, adapter, work / "vllm_server.log", on_event=progress.stage,
-                            log_kv=start_order == "after-kv")
+        server = VllmServer.for_engine(cfg, adapter, work / "vllm_server.log", on_event=progress.stage,
+                                       log_kv=start_order == "after-kv")
         progress.base.update(vllm_server_cmd=server.cmd, vllm_server_env_extra=server.env_extra,
                              vllm_server_log=str(server.log_path))
         progress.stage(f"vLLM api_server launched (pid {server.proc.pid}, :{server.port}); starting our service: "

@@ -70,11 +70,9 @@ def test_smoke_measures_both_servers(tmp_path):
 
 def _fake_server(tmp_path, script: str, events: list) -> "rv.VllmServer":
     """A VllmServer whose command is `script` (a stand-in for vLLM's api_server: no engine, no Ray)."""
-    srv = object.__new__(rv.VllmServer)
-    srv.port, srv.log_path = free_port(), tmp_path / "server.log"
-    srv.cmd = [sys.executable, "-c", textwrap.dedent(script).replace("PORT", str(srv.port))]
-    srv._start(dict(os.environ), events.append, timeout_s=60)
-    return srv
+    port = free_port()
+    return rv.VllmServer([sys.executable, "-c", textwrap.dedent(script).replace("PORT", str(port))], port,
+                         tmp_path / "server.log", on_event=events.append, timeout_s=60)
 
 
 def test_server_watch_sees_its_kv_cache_then_ready(tmp_path):
