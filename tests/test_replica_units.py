@@ -96,6 +96,10 @@ def req(version, run="", **extra):
             "sampling": {"max_tokens": 4, "logprobs": True}, **extra}
 
 
+def loaded_path(replica, version, run=""):
+    return replica.adapters.slots.loaded[(run, version)]
+
+
 async def until(cond, timeout_s=5.0):
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not cond():
@@ -112,17 +116,13 @@ def test_start_loads_live_versions_and_a_missing_registry_fails_clearly(tiny_mod
         reg.publish(1, *payloads[1])
         replica = await standalone(tiny_model_dir, reg)
         st = await replica.stats()
-        assert st["versions"] == [1] and st["block_size"] == 16 and replica.engine.loras == {1: st_path(replica, 1)}
+        assert st["versions"] == [1] and st["block_size"] == 16 and replica.engine.loras == {1: loaded_path(replica, 1)}
         assert (await replica.engine_info())["max_model_len"] == 512
         with pytest.raises(RegistryGone, match="has no adapter registry .*reg in namespace ns") as e:
             replica_of(tiny_model_dir, Actors())
         assert e.value.status_code == 404
 
     asyncio.run(main())
-
-
-def st_path(replica, version, run=""):
-    return replica.adapters.slots.loaded[(run, version)]
 
 
 def test_bad_payloads_rejected_with_422_others_keep_serving(tiny_model_dir, payloads):
@@ -446,3 +446,24 @@ def test_streaming_yields_sse_lines(tiny_model_dir, payloads):
         assert replica.adapters.slots.ongoing() == 0
 
     asyncio.run(main())
+
+
+def test_the_fake_engine_keeps_to_asyncllms_surface():
+    """The fake engine stands in for vLLM's AsyncLLM: every method it offers is AsyncLLM's, and each keyword
+    the replica passes is one AsyncLLM takes (a vLLM upgrade that renames one fails here, not on a GPU)."""
+    import inspect
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from tests.support.fake_engine import FakeEngine
+
+    used = {"generate": {"lora_request"}, "pause_generation": {"mode", "clear_cache"}, "collective_rpc": {"args"},
+            "add_lora": set(), "remove_lora": set(), "reset_prefix_cache": set(), "resume_generation": set(),
+            "check_health": set(), "shutdown": set()}
+    offered = {n for n, f in vars(FakeEngine).items() if callable(f) and not n.startswith("_")}
+    assert offered == set(used)
+    for name, keywords in used.items():
+        params = inspect.signature(getattr(AsyncLLM, name)).parameters
+        assert keywords <= set(params), (name, keywords - set(params))
+        for kind in (inspect.iscoroutinefunction, inspect.isasyncgenfunction):
+            assert kind(getattr(AsyncLLM, name)) == kind(getattr(FakeEngine, name)), (name, kind.__name__)
