@@ -117,6 +117,14 @@ def test_job_submit_serves_and_exports_metrics(tiny_model_dir, tmp_path):
         assert "step 2/4 | reward" in console and "eval acc" in console, console  # run.log_every lines
         assert "eval: accuracy" in console, console
         assert "CALL generate" not in console and "ServeReplica" not in console, console
+        # every line of the driver's console (after the job supervisor's own "Runtime env is setting up" and
+        # "Running entrypoint for job ..."), teardown included, is one of the project's own formats: none from
+        # Ray (its raylet's published warnings, token authentication), DeepSpeed, transformers' bars or vLLM
+        from app.console import is_own_line
+
+        driver_console = console.split("Running entrypoint for job ", 1)[-1].split("\n", 1)[-1]
+        foreign = [line for line in re.split(r"[\r\n]+", driver_console) if line.strip() and not is_own_line(line)]
+        assert not foreign, "lines that are not the project's on the console:\n" + "\n".join(foreign)
         run_logs = out / "job" / "logs"
         assert (run_logs / "driver.log").is_file() and (run_logs / "ray").is_dir(), sorted(
             p.name for p in run_logs.iterdir())
