@@ -22,9 +22,9 @@ from common.faults import short_error
 from common.types import adapter_name, parse_adapter_name, parse_policy_name, split_run
 from serve_deployments.admission import Admission
 from serve_deployments.openai_body import APIError, json_response
+from serve_deployments.replica_broadcast import AdapterLoadError, WeightsBroadcaster
 from serve_deployments.replica_pool import ReplicaPool
 from serve_deployments.served_versions import RunVersions, UnknownRunError
-from serve_deployments.replica_broadcast import AdapterLoadError, WeightsBroadcaster
 
 ADMIN_TOKEN_ENV = "LORA_GRPO_ADMIN_TOKEN"
 HEALTH_TIMEOUT_S = 10.0

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from common.adapter_io import AdapterError
 from common.types import adapter_name, lora_int_id, policy_name
-from serve_deployments.adapter_slots import AdapterKey, AdapterSlots, SlotsFullError
 from serve_deployments.adapter_files import (
     BaseModelShapes,
     remove_dir,
@@ -29,6 +28,7 @@ from serve_deployments.adapter_files import (
     verify_merged,
     write_adapter_dir,
 )
+from serve_deployments.adapter_slots import AdapterKey, AdapterSlots, SlotsFullError
 
 
 class ReplicaError(ValueError):

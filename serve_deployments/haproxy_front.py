@@ -141,7 +141,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-class RestFront:
+class HAProxyFront:
     """One HAProxy process serving `port` (0: a free one, known after `start`); `update` reloads it with new
     replicas, `stop` ends it."""
 
@@ -168,7 +168,7 @@ class RestFront:
                                f"{(check.stderr or check.stdout).strip()[-800:]}")
         tmp.replace(self._cfg)
 
-    def start(self, replicas: list[tuple[str, int]], timeout_s: float = 15.0) -> RestFront:
+    def start(self, replicas: list[tuple[str, int]], timeout_s: float = 15.0) -> HAProxyFront:
         with socket.socket() as probe:  # HAProxy would report a taken port only in its log; port 0 picks one
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -225,10 +225,10 @@ class RestFront:
 
 
 class FrontWatch:
-    """A RestFront kept in step with the Ingress's replicas: a daemon thread asks `stats()` (a callable
+    """A HAProxyFront kept in step with the Ingress's replicas: a daemon thread asks `stats()` (a callable
     returning the Ingress's stats) every `poll_s` and reloads the front when the replica ports change."""
 
-    def __init__(self, front: RestFront, stats, poll_s: float = 2.0):
+    def __init__(self, front: HAProxyFront, stats, poll_s: float = 2.0):
         self.front, self._stats, self._poll_s = front, stats, poll_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rest-front-watch", daemon=True)
@@ -256,5 +256,5 @@ def start_front(cfg, ingress) -> FrontWatch | None:
     if r.front_port is None:
         return None
     threads = max(1, min(4, (os.cpu_count() or 2) // 4))  # a thread per 4 cores: on 2 the engine needs both
-    return FrontWatch(RestFront(r.front_port, r.http_port, threads=threads),
+    return FrontWatch(HAProxyFront(r.front_port, r.http_port, threads=threads),
                       lambda: ingress.stats.remote().result(timeout_s=30)).start()

@@ -42,13 +42,13 @@ from serve_deployments.openai_body import (
     install_error_handlers,
     json_response,
 )
-from serve_deployments.openai_routes import OpenAIFront
 from serve_deployments.openai_requests import RequestChecker
+from serve_deployments.openai_routes import OpenAIRoutes
+from serve_deployments.replica_broadcast import WeightsBroadcaster
 from serve_deployments.replica_pool import ReplicaPool
 from serve_deployments.request_router import RoutingPolicy
-from serve_deployments.rollout_groups import RolloutFront
+from serve_deployments.rollout_groups import RolloutGroups
 from serve_deployments.served_versions import RunVersions
-from serve_deployments.replica_broadcast import WeightsBroadcaster
 
 __all__ = ["ADMIN_TOKEN_ENV", "DEFAULT_INFLIGHT_PER_REPLICA", "Ingress", "api"]
 
@@ -88,9 +88,9 @@ class Ingress:
             self._fair.set_weight("", 1.0)
         self._synced_at = 0.0
         self._weights = WeightsBroadcaster(self._pool, self._runs)
-        self._rollouts = RolloutFront(self._pool, self._runs, self._admission, fair=self._fair)
+        self._rollouts = RolloutGroups(self._pool, self._runs, self._admission, fair=self._fair)
         checker = RequestChecker(AutoTokenizer.from_pretrained(model_path), self._admission.max_inflight)
-        self._openai = OpenAIFront(self._pool, self._runs, self._admission, checker, max_body_bytes)
+        self._openai = OpenAIRoutes(self._pool, self._runs, self._admission, checker, max_body_bytes)
         self._admin = AdminRoutes(admin_token or os.environ.get(ADMIN_TOKEN_ENV), self._runs, self._weights,
                                   self._access)
         self._status = ServiceStatus(self._pool, self._runs, self._admission, num_replicas)
@@ -119,13 +119,13 @@ class Ingress:
     async def generate_group(self, prompt_token_ids: list[int], n: int, version: int | None = None,
                              sampling: dict | None = None, drop_if_expired: bool = False,
                              replica: str | None = None, run: str = "") -> list[dict]:
-        """n samples of one prompt under one pinned version (rollout_groups.RolloutFront.generate_group)."""
+        """n samples of one prompt under one pinned version (rollout_groups.RolloutGroups.generate_group)."""
         await self._known(run)
         return await self._rollouts.generate_group(prompt_token_ids, n, version, sampling, drop_if_expired,
                                                    replica, run)
 
     async def pin_version(self, run: str = "") -> int:
-        """The version a rollout started now would pin (rollout_groups.RolloutFront.pin_version)."""
+        """The version a rollout started now would pin (rollout_groups.RolloutGroups.pin_version)."""
         await self._known(run)
         return await self._rollouts.pin_version(run)
 

@@ -38,7 +38,7 @@ from serve_deployments.served_versions import RunVersions, ServedVersions, Unkno
 logger = logging.getLogger("ray.serve")
 
 
-class OpenAIFront:
+class OpenAIRoutes:
     def __init__(self, pool: ReplicaPool, runs: RunVersions, admission: Admission,
                  checker: RequestChecker, max_body_bytes: int):
         self._pool = pool

@@ -18,9 +18,9 @@ from typing import NoReturn
 
 from common.faults import LostError, is_lost, short_error
 from common.types import adapter_name
+from serve_deployments.engine_weights import payload_kind
 from serve_deployments.replica_pool import ReplicaPool
 from serve_deployments.served_versions import RunVersions
-from serve_deployments.engine_weights import payload_kind
 
 logger = logging.getLogger("ray.serve")
 

@@ -7,7 +7,7 @@ per request. vLLM's server is one process: HTTP, its serving classes, the engine
 runs on the replica's own event loop and calls the replica in-process, so a request costs what it costs in
 vLLM's server plus our checks.
 
-What stays the same as the routed endpoint: the same OpenAIFront (openai_routes.py) with the same body
+What stays the same as the routed endpoint: the same OpenAIRoutes (openai_routes.py) with the same body
 hardening, request checks, model names (`policy-vN`, `policy-latest`, `base`, a fleet run's `RUN/...`),
 served-version headers, admission (429 over `rollout.max_inflight_per_replica`) and a fleet's read token.
 What it does not do: choose a replica (a client that talks to one replica's port gets that replica: no prefix
@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request
 from serve_deployments.admission import Admission
 from serve_deployments.openai_api import CHAT, COMPLETIONS
 from serve_deployments.openai_body import error_body, install_error_handlers, json_response
-from serve_deployments.openai_routes import OpenAIFront
+from serve_deployments.openai_routes import OpenAIRoutes
 from serve_deployments.served_versions import RunVersions
 
 log = logging.getLogger("ray.serve")
@@ -151,7 +151,7 @@ def build_app(replica, tokenizer, max_inflight: int, max_body_bytes: int, access
     app = FastAPI(title="lora-grpo replica", openapi_url=None, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     admission = Admission(max_inflight)
-    front = OpenAIFront(LocalPool(replica), ReplicaRuns(replica), admission,
+    front = OpenAIRoutes(LocalPool(replica), ReplicaRuns(replica), admission,
                         RequestChecker(tokenizer, admission.max_inflight), max_body_bytes)
 
     async def denied(request: Request):

@@ -31,7 +31,7 @@ from serve_deployments.served_versions import RunVersions, UnknownRunError
 logger = logging.getLogger("ray.serve")
 
 
-class RolloutFront:
+class RolloutGroups:
     def __init__(self, pool: ReplicaPool, runs: RunVersions, admission: Admission,
                  retry: RetryPolicy = REPLICA_CALL, fair: FairQueue | None = None):
         self._pool = pool

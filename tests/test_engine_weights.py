@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from serve_deployments.adapter_slots import AdapterSlots
 from serve_deployments.adapter_files import BaseModelShapes
+from serve_deployments.adapter_slots import AdapterSlots
 from serve_deployments.engine_weights import AdapterTransport, MergedTransport, ReplicaError, payload_kind
 from tests._serve_helpers import make_lora_payload, make_merged_payload
 

@@ -9,8 +9,8 @@ import pytest
 import ray.exceptions as rex
 
 from common.faults import LostError, RetryPolicy, is_gone, is_lost
-from serve_deployments.replica import VersionExpiredError
 from serve_deployments.engine_weights import ReplicaError
+from serve_deployments.replica import VersionExpiredError
 
 
 def test_lost_refused_and_gone_are_told_apart():

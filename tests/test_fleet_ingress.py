@@ -14,11 +14,11 @@ from serve_deployments.admission import Admission
 from serve_deployments.fair_queue import FairQueue
 from serve_deployments.openai_api import ModelNameError, model_run, resolve_model, served_names
 from serve_deployments.openai_body import APIError
-from serve_deployments.openai_routes import OpenAIFront
-from serve_deployments.replica_pool import ReplicaPool
-from serve_deployments.rollout_groups import RolloutFront
-from serve_deployments.served_versions import RunVersions, UnknownRunError
+from serve_deployments.openai_routes import OpenAIRoutes
 from serve_deployments.replica_broadcast import WeightsBroadcaster
+from serve_deployments.replica_pool import ReplicaPool
+from serve_deployments.rollout_groups import RolloutGroups
+from serve_deployments.served_versions import RunVersions, UnknownRunError
 from tests._ingress_fakes import FakePool, FakeRegistry, FakeReplica, FakeReplicaHandle, make_request
 
 ADMIN = "fleet-admin"
@@ -82,7 +82,7 @@ def test_models_lists_the_runs_left_when_one_leaves_mid_listing():
             return [1]
 
     r._runs["a"]._registry = Leaving([1])
-    front = OpenAIFront(FakePool(), r, Admission(4), None, 4096)
+    front = OpenAIRoutes(FakePool(), r, Admission(4), None, 4096)
     ids = {m["id"] for m in json.loads(asyncio.run(front.models()).body)["data"]}
     assert {"a/policy-v1", "a/policy-latest"} <= ids and not any(i.startswith("b/") for i in ids), ids
 
@@ -93,7 +93,7 @@ def test_groups_carry_their_run_and_are_counted_per_run():
         fair.set_weight(run)
     sample = lambda v, run: {"version": v, "token_ids": [1, 2, 3], "run": run}  # noqa: E731
     pool = FakePool([[sample(2, "a"), sample(2, "a")], [sample(5, "b")]])
-    front = RolloutFront(pool, runs({"a": [1, 2], "b": [5]}), Admission(16), fair=fair)
+    front = RolloutGroups(pool, runs({"a": [1, 2], "b": [5]}), Admission(16), fair=fair)
     asyncio.run(front.generate_group([7, 8], 2, None, {"max_tokens": 3}, run="a"))
     asyncio.run(front.generate_group([7, 8], 1, None, {"max_tokens": 3}, run="b"))
     reqs = [args[0] for _, args, _ in pool.calls]

@@ -17,7 +17,7 @@ import pytest
 
 from common.config import ConfigError
 from common.ports import free_port
-from serve_deployments.haproxy_front import RestFront, render_config, replica_targets
+from serve_deployments.haproxy_front import HAProxyFront, render_config, replica_targets
 
 
 class _Named(BaseHTTPRequestHandler):
@@ -73,7 +73,7 @@ def _target(s) -> tuple[str, int]:
 
 @pytest.fixture
 def front(backends):
-    f = RestFront(free_port(), backends["serve"].server_address[1], host="127.0.0.1")
+    f = HAProxyFront(free_port(), backends["serve"].server_address[1], host="127.0.0.1")
     f.start([_target(backends["r0"]), _target(backends["r1"])])
     yield f
     f.stop()
@@ -130,7 +130,7 @@ def test_a_dead_replica_is_routed_around_and_a_reload_brings_a_new_one(front, ba
 
 
 def test_no_replica_up_sends_generation_to_serve(backends):
-    f = RestFront(0, backends["serve"].server_address[1], host="127.0.0.1")
+    f = HAProxyFront(0, backends["serve"].server_address[1], host="127.0.0.1")
     f.start([])
     try:
         assert f.port != 0 and f.url == f"http://127.0.0.1:{f.port}/v1"  # port 0: the one it listens on
@@ -141,14 +141,14 @@ def test_no_replica_up_sends_generation_to_serve(backends):
 
 
 def test_the_front_ends_with_stop_and_names_a_taken_port(backends):
-    f = RestFront(free_port(), backends["serve"].server_address[1], host="127.0.0.1").start([])
+    f = HAProxyFront(free_port(), backends["serve"].server_address[1], host="127.0.0.1").start([])
     proc = f._proc
     f.stop()
     assert proc.poll() is not None
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
-        g = RestFront(taken.getsockname()[1], backends["serve"].server_address[1], host="127.0.0.1")
+        g = HAProxyFront(taken.getsockname()[1], backends["serve"].server_address[1], host="127.0.0.1")
         with pytest.raises(RuntimeError, match=rf"rollout.front_port {taken.getsockname()[1]}: cannot listen"):
             g.start([])
 

@@ -11,10 +11,10 @@ import ray.exceptions as rex
 
 from serve_deployments.admin import AdminRoutes, ServiceStatus, parse_version
 from serve_deployments.admission import Admission
-from serve_deployments.openai_body import APIError
-from serve_deployments.replica_pool import ReplicaPool
 from serve_deployments.engine_weights import ReplicaError
+from serve_deployments.openai_body import APIError
 from serve_deployments.replica_broadcast import WeightsBroadcaster
+from serve_deployments.replica_pool import ReplicaPool
 from tests._ingress_fakes import ENGINE, FakePool, FakeReplica, FakeReplicaHandle, make_request, served_versions
 
 TOKEN = "admin-test-token"

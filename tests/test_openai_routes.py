@@ -13,6 +13,7 @@ import ray.exceptions as rex
 from fastapi import Request
 
 from serve_deployments.admission import Admission
+from serve_deployments.engine_weights import ReplicaError
 from serve_deployments.openai_api import CHAT, COMPLETIONS
 from serve_deployments.openai_body import (
     INT64,
@@ -23,9 +24,8 @@ from serve_deployments.openai_body import (
     parse_body,
     read_body,
 )
-from serve_deployments.openai_routes import OpenAIFront
 from serve_deployments.openai_requests import RequestChecker
-from serve_deployments.engine_weights import ReplicaError
+from serve_deployments.openai_routes import OpenAIRoutes
 from tests._ingress_fakes import ENGINE, FakePool, FakeStream, make_request, served_versions
 
 
@@ -189,7 +189,7 @@ def front(tokenizer, pool: FakePool, live=(3, 4), max_inflight: int = 4, max_bod
     admission = Admission(max_inflight)
     versions = served_versions(list(live))
     checker = RequestChecker(tokenizer, admission.max_inflight)
-    return OpenAIFront(pool, versions, admission, checker, max_body), admission
+    return OpenAIRoutes(pool, versions, admission, checker, max_body), admission
 
 
 def post(body: dict | bytes, **kw):
@@ -348,7 +348,7 @@ def test_a_gone_registry_is_503_naming_it_and_a_new_one_is_found(tokenizer):
     registries = [dead]
     versions = ServedVersions(lambda: registries[-1])
     admission = Admission(4)
-    openai = OpenAIFront(FakePool([answer(5, "sha-5")]), versions, admission,
+    openai = OpenAIRoutes(FakePool([answer(5, "sha-5")]), versions, admission,
                          RequestChecker(tokenizer, admission.max_inflight), 4096)
     app = FastAPI()
     install_error_handlers(app)

@@ -12,7 +12,6 @@ import pytest
 import ray.exceptions as rex
 
 from common.faults import LostError, is_lost
-from serve_deployments.replica_pool import ReplicaPool
 from serve_deployments.engine_weights import ReplicaError
 from serve_deployments.replica_broadcast import (
     AdapterLoadError,
@@ -21,6 +20,7 @@ from serve_deployments.replica_broadcast import (
     BroadcastLost,
     WeightsBroadcaster,
 )
+from serve_deployments.replica_pool import ReplicaPool
 from tests._ingress_fakes import FakeReplica, FakeReplicaHandle, served_versions
 
 

@@ -12,9 +12,9 @@ import ray.exceptions as rex
 
 from common.faults import REPLICA_CALL, RetryPolicy
 from serve_deployments.admission import Admission
-from serve_deployments.replica import VersionExpiredError
-from serve_deployments.rollout_groups import RolloutFront
 from serve_deployments.engine_weights import ReplicaError
+from serve_deployments.replica import VersionExpiredError
+from serve_deployments.rollout_groups import RolloutGroups
 from tests._ingress_fakes import FakePool, served_versions
 
 FAST = RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.01, deadline_s=10.0)
@@ -22,7 +22,7 @@ FAST = RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.01, deadline_s=10
 
 def rollouts(answers: list, live=(3, 4), retry: RetryPolicy = FAST):
     pool, admission = FakePool(answers), Admission(16)
-    return RolloutFront(pool, served_versions(list(live)), admission, retry), pool, admission
+    return RolloutGroups(pool, served_versions(list(live)), admission, retry), pool, admission
 
 
 def sample(version: int, i: int = 0) -> dict:
