@@ -56,14 +56,13 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, v
     from app.service import start_rollout_service
     from app.summary import finish_run
     from app.watch import Progress, train_and_watch
-    from common.ray_utils import init_ray, use_run_namespace
+    from common.ray_utils import init_ray
     from train_loops.trainer import build_trainer
 
     if cfg.run.fleet:  # the run's rollouts go to its fleet's app
         from common.names import fleet_app
 
         cfg = cfg.replace(rollout={"app_name": fleet_app(cfg.run.fleet)})
-    use_run_namespace(cfg)
     cfg, rows = preflight(cfg)
     cfg, run_dir = make_run_dir(cfg, resume)
     console.attach_file(run_dir / "logs")

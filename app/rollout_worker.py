@@ -34,7 +34,8 @@ import ray
 from common.config import Config, from_dict
 from common.faults import ROLLOUT_GROUP, is_gone, is_lost, short_error
 from common.names import BUFFER_NAME, METRICS_NAME, REGISTRY_NAME
-from common.ray_utils import named_actor, use_run_namespace
+from common.ray_utils import named_actor
+from common.run_ingress import run_namespace_of
 from common.types import Group, Sample
 
 logger = logging.getLogger("app.rollout_worker")
@@ -68,8 +69,9 @@ class RolloutWorker:
 
         self.cfg: Config = from_dict(cfg)
         self.worker_id = worker_id
-        use_run_namespace(self.cfg)
-        self.buffer, self.metrics = named_actor(buffer_name), named_actor(metrics_name)
+        self.namespace = run_namespace_of(self.cfg)
+        self.buffer = named_actor(buffer_name, self.namespace)
+        self.metrics = named_actor(metrics_name, self.namespace)
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
         self.scorer = load_scorer(self.cfg.reward.fn) if self.cfg.reward.fn else None
         self.episodes = None
@@ -218,7 +220,7 @@ class RolloutWorker:
             self._published_sha[0] = None
             return True
         try:
-            registry = named_actor(REGISTRY_NAME)
+            registry = named_actor(REGISTRY_NAME, self.namespace)
             if registry is None:
                 return False
             entry = await registry.get.remote(version)

@@ -14,28 +14,17 @@ if TYPE_CHECKING:
     from common.config import Config
 
 
-_run_namespace = NAMESPACE  # the namespace of the run this process works for (use_run_namespace)
-
-
-def use_run_namespace(cfg: Config) -> str:
-    """This process works for `cfg`'s run: `named_actor` finds that run's actors (a fleet run's live in a
-    namespace of their own, common.names.run_namespace). Returns the namespace."""
-    from common.run_ingress import run_namespace_of
-
-    global _run_namespace
-    _run_namespace = run_namespace_of(cfg)
-    return _run_namespace
-
-
-def named_actor(name: str | None):
-    """The run's named actor (registry, buffer, metrics), when a name is given and this process is in Ray."""
+def named_actor(name: str | None, namespace: str = NAMESPACE):
+    """The named actor of the run whose namespace is `namespace` (registry, buffer, metrics; a fleet run's live
+    in a namespace of their own: common.run_ingress.run_namespace_of), when a name is given and this process is
+    in Ray. The namespace is an argument, never process state: one process may work for several runs."""
     if not name:
         return None
     import ray
 
     if not ray.is_initialized():
         return None
-    return ray.get_actor(name, namespace=_run_namespace)
+    return ray.get_actor(name, namespace=namespace)
 
 
 def kill_actor(actor) -> None:

@@ -147,7 +147,8 @@ def test_worker_retries_a_group_when_the_ingress_dies(monkeypatch, tiny_model_di
             return [{"version": 4}] * n
 
     metrics = type("Metrics", (), {"add_count": _Call(lambda key, n: counts.append((key, n)))})()
-    monkeypatch.setattr(rw, "named_actor", {"metrics": metrics}.get)  # the worker finds its metrics by name
+    # the worker finds its metrics by name, in its run's namespace
+    monkeypatch.setattr(rw, "named_actor", lambda name, namespace: {"metrics": metrics}.get(name))
     cfg = small_config(tiny_model_dir)
     w = rw.RolloutWorker.__ray_actor_class__(cfg.to_dict(), 0, None, "metrics")
     handles = []

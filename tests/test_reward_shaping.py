@@ -126,7 +126,7 @@ def make_worker(tmp_path, monkeypatch, dynamic_sampling, buffer_len, plan, rows)
     buffer = RolloutBuffer.__ray_actor_class__(5, 1, rows)
     metrics = FakeMetrics()
     actors = {BUFFER_NAME: _Remote(buffer), METRICS_NAME: _Remote(metrics)}
-    monkeypatch.setattr(rollout_worker, "named_actor", actors.get)
+    monkeypatch.setattr(rollout_worker, "named_actor", lambda name, namespace: actors.get(name))
     w = rollout_worker.RolloutWorker.__ray_actor_class__(cfg.to_dict(), 0)
     ingress = FakeIngress({tuple(render_prompt(row, w.tokenizer, cfg.data)): plan[row["prompt"]] for row in rows})
     monkeypatch.setattr(serve, "get_app_handle", lambda name: _Remote(ingress))

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from common.adapter_io import make_meta, pack_tensors, tensors_nbytes
+from common.names import NAMESPACE
 from common.ray_utils import named_actor
 
 
@@ -67,11 +68,12 @@ class AdapterPublisher:
 
     def __init__(self, *, rank: int, zero_stage: int, mode: str, every: int, delta_threshold: float,
                  peft_config: dict, registry_name: str | None, device, start_version: int = 0,
-                 base_model_dir: str | None = None, overlap: bool = False, on_served=None):
+                 base_model_dir: str | None = None, overlap: bool = False, on_served=None,
+                 namespace: str = NAMESPACE):
         self.rank, self.zero_stage, self.mode = rank, zero_stage, mode
         self.every, self.delta_threshold = every, delta_threshold
         self.peft_config, self.device = peft_config, device
-        self.registry = named_actor(registry_name) if rank == 0 else None
+        self.registry = named_actor(registry_name, namespace) if rank == 0 else None
         self.version = start_version  # the trainer's policy version: optimizer steps taken
         self.served_version = 0  # the newest version the registry holds (published or tagged); 0 = base
         self._last: dict[str, torch.Tensor] | None = None

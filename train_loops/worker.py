@@ -88,14 +88,15 @@ def run_worker(cfg: Config, options: WorkerOptions) -> None:
 
 class GRPOWorker:
     def __init__(self, cfg: Config, options: WorkerOptions):
-        from common.ray_utils import named_actor, use_run_namespace
+        from common.ray_utils import named_actor
+        from common.run_ingress import run_namespace_of
         from train_loops.adapter_sync import AdapterPublisher
         from train_loops.deepspeed_setup import build_engine, init_distributed
         from train_loops.lora import build_lora_model, peft_config_dict
         from train_loops.policy import PolicyLogprobs
 
         self.cfg, self.options = cfg, options
-        use_run_namespace(cfg)
+        self.namespace = run_namespace_of(cfg)
         self._count_start()  # first: a start that crashes below (model load, restore) must count too
         init_distributed(cfg.train.use_gpu)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -113,7 +114,7 @@ class GRPOWorker:
         chunk = cfg.train.logprob_chunk if cfg.train.zero_stage < 3 else 1 << 62
         policy = PolicyLogprobs(self.model, chunk, cfg.grpo.temperature, cfg.grpo.top_p, cfg.model.fp32_head)
         self.engine = build_engine(policy, cfg, self.world, options.ds_overrides)
-        self.metrics = named_actor(options.metrics_name) if self.rank == 0 else None
+        self.metrics = named_actor(options.metrics_name, self.namespace) if self.rank == 0 else None
         self.buffer = self._find_buffer()
         # Overlapped publish: the buffer learns when a version is served (its pacing).
         on_served = self.buffer.mark_ready.remote if self.buffer is not None else None
@@ -121,7 +122,8 @@ class GRPOWorker:
             rank=self.rank, zero_stage=cfg.train.zero_stage, mode=cfg.sync.mode, every=cfg.sync.every,
             delta_threshold=cfg.sync.delta_threshold, peft_config=self.peft_config,
             registry_name=options.registry_name, device=self.device, base_model_dir=cfg.model.path,
-            overlap=cfg.sync.overlap_publish and cfg.run.mode == "async", on_served=on_served)
+            overlap=cfg.sync.overlap_publish and cfg.run.mode == "async", on_served=on_served,
+            namespace=self.namespace)
         self.token_budget = self._token_budget()
         self.info = {"liger_kernels": getattr(self.model, "liger_kernels", "off"), "fused_lora": cfg.train.fused_lora,
                      "max_tokens_per_micro_batch": self.token_budget, "device": str(self.device)}
@@ -335,14 +337,14 @@ class GRPOWorker:
         """Rank 0's handle on the RolloutBuffer actor; None on the other ranks, and where there is none."""
         if self.rank != 0:
             return None
-        return self._find_buffer_actor()
+        return self._find_buffer_actor(self.namespace)
 
     @staticmethod
-    def _find_buffer_actor():
+    def _find_buffer_actor(namespace: str):
         from common.ray_utils import named_actor
 
         try:
-            return named_actor(BUFFER_NAME)
+            return named_actor(BUFFER_NAME, namespace)
         except ValueError:  # Ray is up but no buffer was started
             return None
 
@@ -354,7 +356,7 @@ class GRPOWorker:
 
         if ray.train.get_context().get_world_rank() != 0:
             return
-        buffer = self._find_buffer_actor()
+        buffer = self._find_buffer_actor(self.namespace)
         if buffer is not None:
             ray.get(buffer.count_start.remote())
 
