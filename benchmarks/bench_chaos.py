@@ -1,4 +1,4 @@
-"""Chaos soak (issue 22): one long tiny run on a local multi-node cluster, SIGKILLs at random intervals.
+"""Chaos soak: one long tiny run on a local multi-node cluster, SIGKILLs at random intervals.
 
     python -m app bench chaos --minutes 20 --seed 1   # ~25 min with start-up
     python -m app bench chaos --quick                 # ~3 min of faults (at least two), a smoke run by hand

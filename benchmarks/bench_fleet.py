@@ -1,4 +1,4 @@
-"""Many runs, one fleet (issue 19, docs/FLEET.md "Measuring it"): K tiny runs sharing one rollout fleet against
+"""Many runs, one fleet (docs/FLEET.md "Measuring it"): K tiny runs sharing one rollout fleet against
 the same K runs one after another, each with a service of its own, on the same replicas count. Real Ray, Serve,
 vLLM and DeepSpeed on a local Ray cluster this process owns (`ray.cluster_utils.Cluster`, as tests/test_fleet.py).
 

@@ -1,4 +1,4 @@
-"""Node loss on a local multi-node Ray cluster (issue 22): the tiny recipe runs on a head (the driver, the run's
+"""Node loss on a local multi-node Ray cluster: the tiny recipe runs on a head (the driver, the run's
 own actors, no CPU) and three 2-CPU worker nodes (`ray.cluster_utils.Cluster`: one raylet each, as a real
 cluster looks to Ray); whole worker nodes are removed mid-run, then the data accounting is counted as
 `bench reliability` counts it.

@@ -1,4 +1,4 @@
-"""Smoke test of `python -m app bench fleet --quick` (issue 19): K = 2 tiny runs on one shared fleet and
+"""Smoke test of `python -m app bench fleet --quick`: K = 2 tiny runs on one shared fleet and
 the same runs one after another with services of their own, as a subprocess (its own Ray cluster, Serve, vLLM
 and DeepSpeed). Asserts the JSON's shape and that every run of both modes finished its steps; no timing or
 learning asserts (4 steps measure nothing). And, without Ray, how two calls' results (--modes, --merge-into,

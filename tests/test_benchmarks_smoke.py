@@ -103,7 +103,7 @@ def test_async_vs_sync_quick(tmp_path):
 
 @pytest.mark.bench
 def test_node_loss_quick(tmp_path):
-    """A local cluster of a head and three worker nodes (issue 22): the node of a vLLM replica, then the node of
+    """A local cluster of a head and three worker nodes: the node of a vLLM replica, then the node of
     a train worker, are removed mid-run; the run finishes every step with nothing lost, doubled or skipped.
     A `bench` test: tests/test_unplaceable.py runs the same losses (and then an unplaceable stop and its resume)
     in CI."""

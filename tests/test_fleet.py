@@ -1,4 +1,4 @@
-"""Many runs, one fleet (issue 19, docs/FLEET.md), end to end on CPU with real Ray, Serve, vLLM and DeepSpeed.
+"""Many runs, one fleet (docs/FLEET.md), end to end on CPU with real Ray, Serve, vLLM and DeepSpeed.
 
 A fleet is started on a Ray cluster this test owns (`ray.cluster_utils.Cluster`), like `python -m app fleet up`
 on a cluster of `ray start`. Two training runs with different LoRA ranks attach to it as separate driver

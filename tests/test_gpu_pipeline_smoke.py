@@ -89,7 +89,7 @@ def test_dmon_summary_counts_only_busy_samples(tmp_path):
 @pytest.mark.bench
 def test_rest_phase_records_the_serve_port_and_the_front(tmp_path):
     """The rest phase on CPU: benchmarks/rest_vs_vllm.py --smoke as a child, its two ratios folded into the
-    sitting's JSON beside the other goals, its own JSON beside it."""
+    run's JSON beside the other keys, its own JSON beside it."""
     out, doc = _smoke_phase(tmp_path, "rest")
     rest = json.loads((out / "rest_vs_vllm_cpu.json").read_text())
     assert doc["rest_vs_vllm_serve"] == rest["rest_vs_vllm_serve_cpu"] > 0
@@ -159,19 +159,19 @@ def test_unmeasured_reasons_follow_the_machine_and_keep_hand_written_ones(tmp_pa
     from benchmarks.gpu_pipeline import finish
 
     doc = {"not_measured": {"step_seconds_1gpu_p50": "no GPU here: the pipeline phase runs on a GPU machine",
-                            "trainer_vs_peft": "not run this sitting (device time)"},
+                            "trainer_vs_peft": "not run in this lease (device time)"},
            "lora_vs_base_decode": 0.91}
     doc["not_measured"]["lora_vs_base_decode"] = "phase failed or not run; see the phase's error key"
     out = finish(doc, 1, tmp_path)["not_measured"]
     assert out["step_seconds_1gpu_p50"].startswith("the pipeline phase was not run")
-    assert out["trainer_vs_peft"] == "not run this sitting (device time)"
+    assert out["trainer_vs_peft"] == "not run in this lease (device time)"
     assert "lora_vs_base_decode" not in out
 
 
 def test_bursty_async_steps_report_their_mean_beside_the_p50():
     """The H200's two-engine run (2026-12-04): with max_staleness 2 the async steps come two fast (batches
-    already there) and one slow (waiting for the engines); their p50 (4.0 s) sat at goal 1 while 500 steps
-    took 6.2 s each. The record keeps the mean, which the goal keys and the async/sync ratio use."""
+    already there) and one slow (waiting for the engines); their p50 (4.0 s) met the step target while 500 steps
+    took 6.2 s each. The record keeps the mean, which the step keys and the async/sync ratio use."""
     import types
 
     from benchmarks.gpu_runs import record

@@ -1,6 +1,6 @@
 """Placement on a cluster of several nodes (`ray.cluster_utils.Cluster`: one raylet per node on this machine,
 as a user's multi-node cluster looks to Ray): the run's own actors (registry, buffer, metrics, evaluator)
-live on the driver's node, so losing a worker node never takes the run's state (issue 22)."""
+live on the driver's node, so losing a worker node never takes the run's state."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Node loss and a run the cluster can no longer place (issue 22), on CPU with the real pipeline: a local
+"""Node loss and a run the cluster can no longer place, on CPU with the real pipeline: a local
 cluster (a head with no CPU holding the driver and the run's own actors, three 2-CPU worker nodes), `python -m
 app train` as a subprocess joining it. The node of a replica and then the node of a train worker are removed
 and survived; once a step after a checkpoint was logged the last worker node goes, and the driver stops within

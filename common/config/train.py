@@ -51,7 +51,7 @@ class TrainConfig(Section):
         "normal", "Under CUDA MPS (one GPU shared by the trainer and a replica; cluster/gpu_mps.py), the train "
                   "workers' CUDA_MPS_CLIENT_PRIORITY. below_normal: when SMs free up, the GPU starts a replica's "
                   "decode kernels before more blocks of the trainer's GEMMs (on the 1.5B reference workload it did "
-                  "not shorten the step: BENCHMARKS.md, fifth sitting). No effect without MPS.")
+                  "not shorten the step: BENCHMARKS.md, 'The GPU decode bound'). No effect without MPS.")
     mps_sm_percent: int = option(
         100, "Under CUDA MPS, the train workers' CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: the share of the GPU's SMs "
              "their kernels may occupy at once (100 = all). Below 100 keeps SMs free for a replica on the same GPU.",
