@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 COMMANDS = {
     "train": "run async (or sync) LoRA GRPO: rollouts on vLLM replicas, training on Ray Train",
-    "serve": "serve a model and optionally a saved adapter behind the OpenAI-compatible router",
+    "serve": "serve a model and optionally a saved adapter behind the OpenAI-compatible ingress",
     "merge": "fold a PEFT adapter into its base model, writing a standalone HF checkpoint",
     "tiny-model": "build the embedded tiny Qwen2 model (deterministic from a seed)",
     "validate": "load and validate a config (and its data and model) without starting anything",
@@ -164,12 +164,12 @@ def cmd_merge(argv: list[str]) -> int:
 def cmd_serve(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m app serve", description=(
         "Serve a model (and optionally a saved PEFT adapter as policy-v1 / policy-latest) behind the "
-        "OpenAI-compatible prefix-aware router until interrupted."))
+        "OpenAI-compatible ingress (prefix-aware routing) until interrupted."))
     p.add_argument("--model", required=True, help="HF model directory")
     p.add_argument("--adapter", help="saved PEFT adapter directory, published as policy-v1")
     p.add_argument("--replicas", type=int, default=None, help="vLLM replicas (default rollout.replicas)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default rollout.http_port)")
-    p.add_argument("--config", help="YAML config for the rest (engine, router, admin token)")
+    p.add_argument("--config", help="YAML config for the rest (engine, ingress and routing, admin token)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: running cluster or new local)")
     args = p.parse_args(argv)
@@ -313,7 +313,7 @@ def cmd_fleet(argv: list[str]) -> int:
                                                       "LORA_GRPO_FLEET_READ_TOKEN; none = open reading)")
     p.add_argument("--token", default=None, help="up/down: the admin token (default LORA_GRPO_FLEET_TOKEN; up "
                                                  "makes one when neither is set)")
-    p.add_argument("--config", help="up: YAML config for the engines, router and replicas")
+    p.add_argument("--config", help="up: YAML config for the engines, ingress and replicas")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="up: config override")
     p.add_argument("--address", default=None, help="Ray cluster (default RAY_ADDRESS, else the running one)")
     p.add_argument("--json", action="store_true", help="status: print JSON")

@@ -86,7 +86,8 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, v
         else:
             ingress = start_rollout_service(cfg, actors.registry, verbose,
                                             last_step=resume.step if resume is not None else 0)
-            logger.info("service: app %r, %d vLLM replicas behind the %s router, http://127.0.0.1:%d/v1 (%.0fs)",
+            logger.info("service: app %r, %d vLLM replicas behind the ingress (%s routing), "
+                        "http://127.0.0.1:%d/v1 (%.0fs)",
                         cfg.rollout.app_name, cfg.rollout.replicas, cfg.router.policy, cfg.rollout.http_port,
                         time.time() - started)
 

@@ -1,4 +1,4 @@
-"""Multi-turn episodes through real vLLM replicas (2, behind the project's router ingress) and a real run.
+"""Multi-turn episodes through real vLLM replicas (2, behind the project's ingress) and a real run.
 
 - 3-turn episodes under a published adapter: what the trainer gets is exactly the concatenation of what
   the engine saw and produced, turn by turn; the loss mask covers the sampled tokens only; every turn ran

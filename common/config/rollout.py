@@ -24,7 +24,7 @@ class RolloutConfig(Section):
            "train.max_restarts.", ge=0)
     groups_per_worker: int = option(1, "Groups each rollout worker samples concurrently (workers x this = groups in "
                                        "flight; enough to fill the engines' batches on GPU).", ge=1)
-    http_port: int = option(8000, "Serve HTTP port of the OpenAI-compatible router.", ge=1, le=65535)
+    http_port: int = option(8000, "Serve HTTP port of the OpenAI-compatible ingress.", ge=1, le=65535)
     proxy_location: ProxyLocation = option(
         "EveryNode", "Where Serve runs its HTTP proxies: EveryNode (each node answers on http_port), HeadOnly "
                      "(one proxy; also for several nodes on one machine, which would all bind the same port) "
@@ -35,7 +35,7 @@ class RolloutConfig(Section):
     max_body_bytes: int = option(4 * 1024 * 1024, "Largest REST request body in bytes; a larger one is answered 413 "
                                                   "without being parsed.", ge=1024)
     max_inflight_per_replica: int | None = option(
-        None, "REST + rollout requests in flight per replica (the router ingress admits at most this x replicas); "
+        None, "REST + rollout requests in flight per replica (the ingress admits at most this x replicas); "
               "a REST request over it is answered 429 with Retry-After. null = 4 x max_num_seqs.", ge=1)
     stream_interval_ms: float = option(
         50.0, "REST streams: after the first token (sent at once), the tokens that arrive within this many ms travel "
