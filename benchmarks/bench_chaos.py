@@ -14,7 +14,7 @@ after it), then SIGKILL one of: a vLLM replica, the router ingress, a rollout wo
 found as `bench reliability` finds them), the Serve controller's process, or a whole worker node. Each fault's
 recovery time is fault -> next step logged. Faults stop M minutes after the first step; the run is sized
 (train.total_steps) to last about M minutes at --step-s seconds a step and then runs to its end, so summary.json
-holds the buffer's pending prompts and the data accounting (bench_reliability.data_accounting) is exact: a
+holds the buffer's pending prompts and the data accounting (common/data_accounting.py) is exact: a
 Ctrl-C stop at M minutes would write no summary.json. The run trains at a third of the recipe's lr with a KL
 term (SOAK_LR, SOAK_KL): the recipe's settings collapse the policy over a soak's ~1,500 steps. Goal: accounting
 all 0, reward z > 3 (first vs last quarter, app.report.proportion_z). Writes benchmarks/results/chaos.json and
@@ -41,8 +41,8 @@ from benchmarks.bench_reliability import (
     _kill_pid,
     _rows,
     _train_proc,
-    data_accounting,
 )
+from common.data_accounting import data_accounting
 from common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]

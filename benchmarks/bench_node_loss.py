@@ -23,22 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_reliability import Injector, _rows, data_accounting
+from benchmarks.bench_reliability import Injector, _rows
+from common.data_accounting import data_accounting
+from common.ray_utils import actors_by_node
 
 REPO = Path(__file__).resolve().parents[1]
 
 NODE_CPUS = 2
-
-
-def _actors_by_node() -> dict[str, list[str]]:
-    """Live actors' class names per node id (the GCS's table: no dashboard needed)."""
-    from ray._private import state
-
-    out: dict[str, list[str]] = {}
-    for a in state.actors().values():
-        if a.get("State") == "ALIVE":
-            out.setdefault((a.get("Address") or {}).get("NodeID", ""), []).append(a.get("ActorClassName") or "")
-    return out
 
 
 class NodeKiller(Injector):
@@ -50,7 +41,7 @@ class NodeKiller(Injector):
 
     def inject(self, fault: str) -> dict:
         want = {"replica": "RolloutReplica", "train_worker": "RayTrainWorker"}[fault]
-        held = _actors_by_node()
+        held = actors_by_node()
         node = next((n for n in self.cluster.worker_nodes if any(want in c for c in held.get(n.node_id, []))), None)
         if node is None:
             raise LookupError(f"no worker node holds a {want}; held: {held}")

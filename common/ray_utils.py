@@ -66,3 +66,14 @@ def init_ray(cfg: Config, verbose: bool = False) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", env["VLLM_LOGGING_LEVEL"])  # read by engine_env for replicas
     connect_ray(cfg.run.ray_address, log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.ERROR,
                 logging_config=ray.LoggingConfig(encoding="TEXT", log_level=level), runtime_env={"env_vars": env})
+
+
+def actors_by_node() -> dict[str, list[str]]:
+    """Live actors' class names per node id (the GCS's table: no dashboard needed)."""
+    from ray._private import state
+
+    out: dict[str, list[str]] = {}
+    for a in state.actors().values():
+        if a.get("State") == "ALIVE":
+            out.setdefault((a.get("Address") or {}).get("NodeID", ""), []).append(a.get("ActorClassName") or "")
+    return out

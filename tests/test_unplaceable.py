@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from benchmarks.bench_reliability import data_accounting
+from common.data_accounting import data_accounting
 from tests._serve_helpers import free_port
 from tests.test_resume import _checkpoint_steps, _end_group, _rows, _run_to_exit, _start, _wait_for
 
@@ -70,9 +70,9 @@ def cluster():
 
 def _node_holding(cluster, cls: str):
     """The worker node (of those left) where a live actor of class `cls` runs, from the GCS's actor table."""
-    from benchmarks.bench_node_loss import _actors_by_node
+    from common.ray_utils import actors_by_node
 
-    held = _actors_by_node()
+    held = actors_by_node()
     node = next((n for n in cluster.worker_nodes if any(cls in c for c in held.get(n.node_id, []))), None)
     assert node is not None, f"no worker node holds a {cls}: {held}"
     return node
