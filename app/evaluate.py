@@ -29,10 +29,13 @@ EPISODE_ATTEMPTS = 3  # an eval episode whose version left the live window start
 
 def eval_rows(cfg: Config, path: str | None = None, samples: int | None = None) -> list[dict]:
     """The first `eval.samples` rows of `eval.path`, read like data.path (same columns, same checks)."""
+    from app import reasoning_gym_tasks
     from app.data import load_prompts
 
     count = samples or cfg.eval.samples
-    return load_prompts(cfg.data.replace(path=path or cfg.eval.path, builtin_size=count))[:count]
+    if reasoning_gym_tasks.is_reasoning_gym(path or cfg.eval.path):  # held out from the training items
+        return reasoning_gym_tasks.eval_rows(cfg.replace(eval={"path": path or cfg.eval.path}), count)
+    return load_prompts(cfg.data.replace(path=path or cfg.eval.path, builtin_size=count, mix=[], args={}))[:count]
 
 
 def score_eval(greedy: list[float], sampled: list[list[float]] | None = None, k: int = 1) -> dict:

@@ -31,6 +31,7 @@ class RunMetrics:
         self.run_name = run_name
         self._gauges: dict = {}
         self._gen = {"tokens": 0, "seconds": 0.0, "groups": 0, "reward_sum": 0.0}
+        self._task_reward: dict[str, list] = {}  # data task -> [reward sum, groups] since the last row
         self._extra: dict = {}
         self._t_last = time.time()
 
@@ -42,12 +43,17 @@ class RunMetrics:
             self._gauges[key] = Gauge(name, description=f"lora-grpo {key}", tag_keys=("run",))
         return self._gauges[key]
 
-    def log_rollout(self, tokens: int, seconds: float, reward_mean: float) -> None:
-        """One call per scored group (from the rollout workers); folded into the next step's row."""
+    def log_rollout(self, tokens: int, seconds: float, reward_mean: float, task: str | None = None) -> None:
+        """One call per scored group (from the rollout workers); folded into the next step's row. `task`: the
+        row's data task (reasoning-gym), whose groups' mean reward the row carries as `reward/TASK`."""
         self._gen["tokens"] += tokens
         self._gen["seconds"] += seconds
         self._gen["groups"] += 1
         self._gen["reward_sum"] += reward_mean
+        if task:
+            acc = self._task_reward.setdefault(task, [0.0, 0])
+            acc[0] += reward_mean
+            acc[1] += 1
 
     def log_filtered_group(self, tokens: int = 0, seconds: float = 0.0) -> None:
         """A group dynamic sampling dropped (all rewards equal): its generation still counts toward the
@@ -110,7 +116,9 @@ class RunMetrics:
                # reward of the groups generated since the last row (the batch's own is reward_mean)
                "gen_reward_mean": gen["reward_sum"] / gen["groups"] if gen["groups"] else None,
                # wall-clock rate: generation runs concurrently across workers and replicas
-               "gen_tokens_per_s": gen["tokens"] / max(1e-9, now - self._t_last)}
+               "gen_tokens_per_s": gen["tokens"] / max(1e-9, now - self._t_last),
+               **{f"reward/{task}": total / n for task, (total, n) in sorted(self._task_reward.items())}}
+        self._task_reward = {}
         self._gen = {"tokens": 0, "seconds": 0.0, "groups": 0, "reward_sum": 0.0}
         self._t_last = now
         self.rows.append(row)

@@ -25,6 +25,10 @@ def preflight(cfg: Config) -> tuple[Config, list[dict]]:
         cfg = cfg.replace(sync={"mode": "merge"})
     ensure_model(cfg.model.path, cfg.model.build_tiny, cfg.model.tiny_seed, cfg.model.tiny_shape)
     rows = load_prompts(cfg.data)
+    if cfg.eval.path and cfg.eval.path.startswith("reasoning-gym:"):  # a bad eval task fails here, not mid-run
+        from app.reasoning_gym_tasks import eval_rows
+
+        eval_rows(cfg, cfg.eval.samples)
     check_target_modules(cfg)
     if cfg.env.cls:
         check_episodes(cfg, rows[0])

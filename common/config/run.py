@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from common.config.base import Section, broken, option
 from common.config.choices import LoggerName, RunMode, SyncMode, words
+from common.config.reasoning_gym import REASONING_GYM
 from common.types import RUN_NAME
 
 
@@ -98,8 +99,11 @@ class EvalConfig(Section):
     section = "eval"
     path: str | None = option(
         None, "Held-out prompts scored during training through the served policy: a file or "
-              "directory like data.path (same columns and reward), or `builtin:letters-heldout` "
-              "(letters prompts disjoint from `builtin:letters`); null = no evaluation.")
+              "directory like data.path (same columns and reward), `builtin:letters-heldout` "
+              "(letters prompts disjoint from `builtin:letters`), or `reasoning-gym:TASK` (held-out items: "
+              "another seed, never a training question; docs/TASKS.md); null = no evaluation.")
+    args: dict = option({}, "reasoning-gym eval.path only: task config over the training one (default seed: the "
+                            "data seed + 1000003; size: drawn as needed).")
     every: int = option(10, "Evaluate the version just published every N optimizer steps (also before step 1 and "
                             "after the last step); runs beside the rollouts, never stalls training.", ge=1)
     samples: int = option(64, "Eval prompts (the first N of eval.path).", ge=1)
@@ -107,7 +111,9 @@ class EvalConfig(Section):
                             "grpo.temperature and reports eval/pass@k (any of the k correct).", ge=1)
 
     def problems(self) -> list[str]:
-        return broken((self.path is None or bool(self.path.strip()), "eval.path: must be null or a path, got ''"))
+        return broken((self.path is None or bool(self.path.strip()), "eval.path: must be null or a path, got ''"),
+                      (not self.args or (self.path or "").startswith(REASONING_GYM),
+                       "eval.args: a reasoning-gym task's config; eval.path is not reasoning-gym:TASK"))
 
 
 class EnvConfig(Section):
