@@ -143,6 +143,8 @@ def test_config_rules_of_the_new_keys():
         _cfg(data={"args": {"size": 3}})
     with pytest.raises(ConfigError, match="data.mix: replaces data.path"):
         _cfg(data={"path": "x.jsonl", "mix": [{"path": "reasoning-gym:gcd"}]})
+    with pytest.raises(ConfigError, match="data.mix: replaces data.path"):
+        _cfg(data={"path": "reasoning-gym:lcm", "mix": [{"path": "reasoning-gym:gcd"}]})
     with pytest.raises(ConfigError, match=r"data.mix\[0\]: expected"):
         _cfg(data={"mix": [{"path": "reasoning-gym:gcd", "weight": 0}]})
     with pytest.raises(ConfigError, match="data.mix: a task appears twice"):

@@ -65,7 +65,7 @@ class DataConfig(Section):
         return broken(
             (not self.args or gym or bool(self.mix),
              "data.args: a reasoning-gym task's config; data.path is not reasoning-gym:TASK and data.mix is empty"),
-            (not self.mix or self.path == DataConfig.model_fields["path"].default or gym,
+            (not self.mix or self.path == DataConfig.model_fields["path"].default,
              f"data.mix: replaces data.path; leave data.path unset (it is {self.path!r})"),
             (not self.mix or set(self.args) <= {"size", "seed"},
              f"data.args: with data.mix only size and seed (the tasks' own keys go in their mix entry's args), "
