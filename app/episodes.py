@@ -31,6 +31,8 @@ class EpisodeStats:
     env_tokens: int = 0  # context tokens the environment added between turns
     sampled_tokens: int = 0
     prefix_hits: list[float] = field(default_factory=list)  # per turn: prompt tokens found cached / prompt tokens
+    rewards: dict[str, float] = field(default_factory=dict)  # the environment's reward parts (reward/NAME)
+    retokenized_turns: int = 0  # turns whose prompt did not extend the turn before (app/token_continuity.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,7 +111,7 @@ async def run_episode(env, chat: ChatTokens, generate: Generate, *, max_turns: i
                             f"{name}.step()")
         ep.step_rewards.append(result.reward)
         if result.done:
-            return ep
+            return _checked(ep, env)
         if turn == max_turns:
             break
         context = chat.after_turn(out["token_ids"], result.observations)
@@ -117,6 +119,18 @@ async def run_episode(env, chat: ChatTokens, generate: Generate, *, max_turns: i
             break
         ep.add_context(context, result.observations)
     ep.stats.truncated = True
+    return _checked(ep, env)
+
+
+def _checked(ep: Episode, env) -> Episode:
+    """The environment's reward parts on the stats; an episode with a re-tokenized turn keeps no trained token
+    (its ids are not what the engine saw)."""
+    from app.token_continuity import retokenized_turns
+
+    ep.stats.rewards = {str(k): float(v) for k, v in (getattr(env, "reward_parts", None) or {}).items()}
+    ep.stats.retokenized_turns = len(retokenized_turns(ep.turns))
+    if ep.stats.retokenized_turns:
+        ep.mask = [0] * len(ep.mask)
     return ep
 
 
@@ -136,7 +150,12 @@ class EpisodeRollout:
     def __init__(self, cfg, tokenizer, scorer=None):
         from app.envs import load_env
 
-        self.env_cls = load_env(cfg.env.cls)
+        if cfg.env.verifiers is not None:
+            from app.verifiers_env import episode_class
+
+            self.env_cls = episode_class(cfg.env)
+        else:
+            self.env_cls = load_env(cfg.env.cls)
         self.env_cfg = cfg.env
         self.max_tokens_per_turn = cfg.grpo.max_new_tokens
         self.max_episode_tokens = cfg.env.max_episode_tokens or cfg.model.max_model_len

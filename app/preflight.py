@@ -24,7 +24,7 @@ def preflight(cfg: Config) -> tuple[Config, list[dict]]:
         logger.warning("sync.mode=adapter but %s: falling back to merge mode (full weights each publish)", reason)
         cfg = cfg.replace(sync={"mode": "merge"})
     ensure_model(cfg.model.path, cfg.model.build_tiny, cfg.model.tiny_seed, cfg.model.tiny_shape)
-    rows = load_prompts(cfg.data)
+    rows = load_prompts(cfg.data) if cfg.env.verifiers is None else verifiers_prompts(cfg)
     if cfg.eval.path and cfg.eval.path.startswith("reasoning-gym:"):  # a bad eval task fails here, not mid-run
         from app.reasoning_gym_tasks import eval_rows
 
@@ -53,6 +53,20 @@ def check_episodes(cfg: Config, row: dict) -> None:
         raise ConfigError([f"env.cls: {e}"]) from None
     except ValueError as e:
         raise ConfigError([str(e)]) from None
+
+
+def verifiers_prompts(cfg: Config) -> list[dict]:
+    """A verifiers environment's tasks as the prompts (app/verifiers_env.py), its first episode built and reset:
+    one ConfigError naming env.verifiers (not installed, unknown id, no tasks, no rubric) before any engine."""
+    from app.envs import check_messages
+    from app.verifiers_env import VerifiersError, episode_class, verifiers_rows
+
+    try:
+        rows = verifiers_rows(cfg.env, cfg.data.builtin_size)
+        check_messages(episode_class(cfg.env)(rows[0]).reset(), "env.verifiers: the first task's prompt")
+    except VerifiersError as e:
+        raise ConfigError([str(e)]) from None
+    return rows
 
 
 def check_target_modules(cfg: Config) -> None:

@@ -75,7 +75,7 @@ class RolloutWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
         self.scorer = load_scorer(self.cfg.reward.fn) if self.cfg.reward.fn else None
         self.episodes = None
-        if self.cfg.env.cls:
+        if self.cfg.env.episodic:
             from app.episodes import EpisodeRollout
 
             self.episodes = EpisodeRollout(self.cfg, self.tokenizer, self.scorer)

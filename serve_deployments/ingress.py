@@ -49,6 +49,7 @@ from serve_deployments.replica_pool import ReplicaPool
 from serve_deployments.request_router import RoutingPolicy
 from serve_deployments.rollout_groups import RolloutGroups
 from serve_deployments.served_versions import RunVersions
+from serve_deployments.token_generate import TokenGenerate
 
 __all__ = ["ADMIN_TOKEN_ENV", "DEFAULT_INFLIGHT_PER_REPLICA", "Ingress", "api"]
 
@@ -91,6 +92,7 @@ class Ingress:
         self._rollouts = RolloutGroups(self._pool, self._runs, self._admission, fair=self._fair)
         checker = RequestChecker(AutoTokenizer.from_pretrained(model_path), self._admission.max_inflight)
         self._openai = OpenAIRoutes(self._pool, self._runs, self._admission, checker, max_body_bytes)
+        self._tokens = TokenGenerate(self._pool, self._runs, self._rollouts, max_body_bytes)
         self._admin = AdminRoutes(admin_token or os.environ.get(ADMIN_TOKEN_ENV), self._runs, self._weights,
                                   self._access)
         self._status = ServiceStatus(self._pool, self._runs, self._admission, num_replicas)
@@ -221,6 +223,10 @@ class Ingress:
     @api.post("/v1/chat/completions")
     async def http_chat(self, request: Request):
         return await self._read_denied(request) or await self._openai.complete(request, CHAT)
+
+    @api.post("/inference/v1/generate")
+    async def http_token_generate(self, request: Request):
+        return await self._read_denied(request) or await self._tokens.generate(request)
 
     # ------------------------------------------------------------------ REST: admin
 

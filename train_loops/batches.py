@@ -46,6 +46,12 @@ class StepBatch:
         for k in range(max(len(e["prefix_hits"]) for e in eps)):
             hits = [e["prefix_hits"][k] for e in eps if len(e["prefix_hits"]) > k]
             out[f"prefix_hit_turn{k + 1}"] = sum(hits) / len(hits)
+        # a verifiers environment's reward functions, each one's mean score (app/verifiers_env.py)
+        for name in sorted({name for e in eps for name in e.get("rewards") or {}}):
+            scores = [e["rewards"][name] for e in eps if name in (e.get("rewards") or {})]
+            out[f"reward/{name}"] = sum(scores) / len(scores)
+        if any("retokenized_turns" in e for e in eps):
+            out["retokenized_turns"] = sum(e.get("retokenized_turns", 0) for e in eps)
         return out
 
 

@@ -33,9 +33,14 @@ def cross_section_problems(cfg: Config) -> list[str]:
         (cfg.sync.mode == "merge" or cfg.lora.rank <= rollout.max_lora_rank,
          f"lora.rank: {cfg.lora.rank} exceeds rollout.max_lora_rank {rollout.max_lora_rank}; raise max_lora_rank "
          "or set sync.mode=merge"),
-        (cfg.reward.fn is not None or cfg.env.cls is not None,
+        (cfg.reward.fn is not None or cfg.env.episodic,
          "reward.fn: null needs env.cls (a multi-turn environment's step rewards); single-turn runs need a reward "
          "function"),
+        (cfg.env.verifiers is None or cfg.reward.fn is None,
+         "reward.fn: a verifiers environment (env.verifiers) scores with its own @vf.reward functions; set "
+         "reward.fn: null"),
+        (cfg.env.verifiers is None or cfg.eval.path is None,
+         "eval.path: a verifiers run (env.verifiers) has no held-out split yet; set eval.path: null"),
         (cfg.env.cls is None or cfg.reward.where == "worker",
          "reward.where: task runs single-turn rewards only; a multi-turn run (env.cls) scores episodes in the worker"),
         (cfg.env.cls is None or grpo.dapo_overlong_buffer == 0,
@@ -74,8 +79,12 @@ def fleet_problems(cfg: Config) -> list[str]:
 
 
 def machine_problems(cfg: Config) -> list[str]:
-    """What this machine lacks for the config: a requested tracker's package."""
-    return missing_loggers(cfg.run.loggers)
+    """What this machine lacks for the config: a requested tracker's package, verifiers for env.verifiers."""
+    missing = missing_loggers(cfg.run.loggers)
+    if cfg.env.verifiers is not None and importlib.util.find_spec("verifiers") is None:
+        missing.append("env.verifiers: needs the `verifiers` package, which is not installed: "
+                       "pip install -e \".[envs]\"")
+    return missing
 
 
 def missing_loggers(names) -> list[str]:

@@ -127,7 +127,24 @@ class EnvConfig(Section):
         None, "Tokens per episode (prompt, every turn, every observation) at most; a turn that would pass it "
               "truncates the episode. null = model.max_model_len.", ge=2)
     step_timeout_s: float = option(60.0, "Seconds one reset() or step() may take; longer fails its episode.", gt=0)
+    verifiers: str | None = option(
+        None, "An installed verifiers environment id (docs/VERIFIERS.md): its taskset's tasks are the prompts, its "
+              "@vf.reward functions (weighted sum) the reward, each one's score a step metric reward/NAME. "
+              "pip install -e '.[envs]'. null = none.")
+    args: dict = option({}, "Keyword arguments of the verifiers environment's taskset config (env.verifiers), "
+                            "e.g. {size: 64}.")
+
+    @property
+    def episodic(self) -> bool:
+        """Rollouts are episodes (app/episodes.py): a protocol class or a verifiers environment."""
+        return self.cls is not None or self.verifiers is not None
 
     def problems(self) -> list[str]:
         return broken((self.cls is None or (":" in self.cls and all(self.cls.split(":", 1))),
-                       f"env.cls: {self.cls!r} is not `module:Class`"))
+                       f"env.cls: {self.cls!r} is not `module:Class`"),
+                      (self.cls is None or self.verifiers is None,
+                       "env.verifiers: set env.cls or env.verifiers, not both (each is the run's environment)"),
+                      (self.verifiers is None or bool(self.verifiers.strip()),
+                       "env.verifiers: must be null or an environment id, got ''"),
+                      (not self.args or self.verifiers is not None,
+                       "env.args: the verifiers environment's arguments need env.verifiers"))

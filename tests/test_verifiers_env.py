@@ -1,0 +1,169 @@
+"""verifiers environments as the run's episodes (app/verifiers_env.py): a third-party environment module
+(tests/support/vf_letters_env.py, installed here by putting tests/support on the import path, the way a pip
+package would be) loads through verifiers' own loader, its tasks become the prompts, its rubric scores the
+episode (weighted sum, each function's score on the step metrics); bad environments fail at validation; the
+re-tokenization detector; and a short real run (Ray, Serve, vLLM, DeepSpeed) trains on the environment."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.episodes import EpisodeRollout
+from app.token_continuity import extends, retokenized_turns
+from common import config as C
+from common.types import Group, Sample
+from tests._serve_helpers import serve_env  # noqa: F401
+from train_loops.batches import StepBatch
+
+SUPPORT = str(Path(__file__).parent / "support")
+ENV = {"verifiers": "vf_letters_env", "args": {"size": 16}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def support_importable():
+    """tests/support importable here and, through PYTHONPATH, in the Ray workers this module's Ray starts."""
+    old_path, old_env = list(sys.path), os.environ.get("PYTHONPATH")
+    sys.path.insert(0, SUPPORT)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SUPPORT, old_env) if p)
+    yield
+    sys.path[:] = old_path
+    if old_env is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old_env
+
+
+def vf_config(tiny_model_dir, tmp_path, **env):
+    return C.load("recipes/verifiers-cpu.yaml", [f"model.path={tiny_model_dir}", "model.build_tiny=false",
+                                                 f"run.out_dir={tmp_path}"]).replace(env=env or ENV)
+
+
+def test_tasks_become_rows_and_the_rubric_scores_episodes(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from app.preflight import verifiers_prompts
+    from tests.test_episodes import scripted
+
+    cfg = vf_config(tiny_model_dir, tmp_path)
+    rows = verifiers_prompts(cfg)
+    assert len(rows) == 16 and rows[0]["id"] == "letters-0"
+    assert rows[0]["prompt"].startswith(f"Say the letter {rows[0]['answer']}, not ")
+    assert rows[3]["vf_task"]["answer"] == rows[3]["answer"] and rows[3]["vf_task"]["idx"] == 3
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rollout = EpisodeRollout(cfg, tok)
+    row = rows[0]
+    wrong = "Z" if row["answer"] != "Z" else "Y"
+    episodes = []
+    for reply, exact, starts in ((row["answer"], 1.0, 1.0), (f"{row['answer']}!", 0.0, 1.0), (wrong, 0.0, 0.0)):
+        generate, seen = scripted(tok, [reply])
+        ep = asyncio.run(rollout.play(row, generate))
+        assert ep.stats.turns == 1 and ep.stats.retokenized_turns == 0
+        # the prompt the engine saw is the chat template of the task's prompt; the trained ids are the engine's
+        assert seen[0]["ids"] == tok.apply_chat_template([{"role": "user", "content": row["prompt"]}],
+                                                         add_generation_prompt=True, return_dict=False)
+        assert ep.ids == seen[0]["ids"] + ep.turns[0]["token_ids"] and ep.mask == [1] * len(ep.completion_ids)
+        # exact_match weighs 1.0, starts_with_answer 0.0: the reward is the weighted sum, the parts are scores
+        assert rollout.reward(ep, row) == exact
+        assert ep.stats.rewards == {"exact_match": exact, "starts_with_answer": starts}
+        episodes.append(ep)
+    samples = [Sample(ep.prompt_ids, ep.completion_ids, ep.logprobs, 0.0, 0.0, 1, completion_mask=ep.mask,
+                      episode=ep.stats.to_dict()) for ep in episodes]
+    m = StepBatch(groups=[Group(samples, 1, row["id"])]).episode_stats()
+    assert m["reward/exact_match"] == pytest.approx(1 / 3) and m["reward/starts_with_answer"] == pytest.approx(2 / 3)
+    assert m["retokenized_turns"] == 0
+
+
+def test_retokenization_detector():
+    assert extends([1, 2], [3, 4], [1, 2, 3, 4, 9, 10])
+    assert not extends([1, 2], [3, 4], [1, 2, 34, 9])  # "3 4" merged into one token when re-tokenized
+    assert not extends([1, 2], [3, 4], [1, 2, 3])
+    turns = [{"prompt_ids": [1], "token_ids": [2, 3]}, {"prompt_ids": [1, 2, 3, 7], "token_ids": [8]},
+             {"prompt_ids": [1, 2, 3, 7, 88, 9], "token_ids": [5]},
+             {"prompt_ids": [1, 2, 3, 7, 88, 9, 5], "token_ids": []}]
+    assert retokenized_turns(turns) == [3]
+    assert retokenized_turns(turns[:1]) == []
+
+
+def test_a_retokenized_episode_is_counted_and_not_trained_on(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from app.chat_tokens import ChatTokens
+    from app.episodes import run_episode
+    from tests.test_episodes import Feedback, scripted
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    generate, _ = scripted(tok, ["a", "b", "c"])
+
+    async def drifting(ids, max_tokens, replica):  # a client that re-rendered turn 2's prompt differently
+        out = await generate(ids, max_tokens, replica)
+        return dict(out, prompt_token_ids=list(ids[:-1]) + [ids[-1] + 1]) if len(ids) > 20 else out
+
+    ep = asyncio.run(run_episode(Feedback({"answer": "Q"}), ChatTokens(tok), drifting, max_turns=3,
+                                 max_tokens_per_turn=4, max_episode_tokens=512, timeout_s=5.0))
+    assert ep.stats.turns == 3 and ep.stats.retokenized_turns >= 1 and sum(ep.mask) == 0
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"verifiers": "vf_no_such_env"}, "no environment 'vf_no_such_env' is installed"),
+    ({"verifiers": "vf_empty_env"}, "yielded no tasks"),
+    ({"verifiers": "vf_no_rubric_env"}, "has no @vf.reward"),
+    ({"verifiers": "vf_letters_env", "args": {"sizes": 3}}, "failed to load.*sizes"),
+])
+def test_bad_environments_fail_at_validation(tiny_model_dir, tmp_path, capsys, env, match):
+    import re
+
+    from app.__main__ import cmd_validate
+
+    sets = [f"model.path={tiny_model_dir}", "model.build_tiny=false", f"run.out_dir={tmp_path}",
+            f"env.verifiers={env['verifiers']}"] + [f"env.args={json.dumps(env.get('args', {}))}"]
+    assert cmd_validate(["--config", "recipes/verifiers-cpu.yaml", *[a for s in sets for a in ("--set", s)]]) == 2
+    assert re.search(match, capsys.readouterr().err, re.S)
+
+
+def test_config_rules_and_a_missing_package(monkeypatch):
+    from app.verifiers_env import VerifiersError, import_verifiers
+
+    with pytest.raises(C.ConfigError, match="not both"):
+        C.Config().replace(env={"verifiers": "x", "cls": "a:B"}, reward={"fn": None}, eval={"path": None})
+    with pytest.raises(C.ConfigError, match="reward.fn: a verifiers environment"):
+        C.Config().replace(env={"verifiers": "x"}, eval={"path": None})
+    with pytest.raises(C.ConfigError, match="env.args"):
+        C.Config().replace(env={"args": {"size": 3}})
+    monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # import verifiers.v1 raises ImportError
+    with pytest.raises(VerifiersError, match=r'pip install -e "\.\[envs\]"'):
+        import_verifiers()
+    import importlib.util
+
+    from common.config.rules import machine_problems
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "verifiers" else real(name, *a))
+    cfg = C.Config().replace(env={"verifiers": "x"}, reward={"fn": None}, eval={"path": None})
+    assert any("[envs]" in p for p in machine_problems(cfg))
+
+
+@pytest.mark.slow
+def test_a_short_run_trains_on_the_verifiers_environment(serve_env, tmp_path):
+    """Real Ray, Serve, vLLM, DeepSpeed: the environment's tasks are sampled as token-exact episodes under the
+    pinned version, scored by its rubric; every step's row carries each reward function's mean score."""
+    from app import driver
+
+    cfg = C.load("recipes/verifiers-cpu.yaml", [
+        f"model.path={serve_env.model_dir}", "model.build_tiny=false", f"run.out_dir={tmp_path}", "run.name=vf",
+        "train.total_steps=3", "train.num_workers=1", "train.cpus_per_worker=0.5", "rollout.replicas=1",
+        "rollout.cpus_per_replica=0.5", "grpo.prompts_per_step=8", "grpo.group_size=4", "checkpoint.every=0",
+        f"rollout.http_port={serve_env.http_port}", "run.stall_timeout_s=300"])
+    summary = driver.run(cfg, progress=False)
+    assert summary["steps"] == 3
+    rows = [json.loads(line) for line in (tmp_path / "vf" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        # exact_match is the only weighted function: the GRPO reward is its score
+        assert r["reward/exact_match"] == pytest.approx(r["reward_mean"])
+        assert 0.0 <= r["reward/starts_with_answer"] <= 1.0 and r["reward/starts_with_answer"] >= r["reward_mean"]
+        assert r["retokenized_turns"] == 0 and r["episode_turns_mean"] == 1.0
+    assert rows[0]["log_ratio_abs_max"] <= 5e-5  # step 1: the trained ids and logprobs are the engine's
