@@ -49,6 +49,7 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, v
 
     from app.eval_schedule import EvalSchedule
     from app.evaluate import eval_rows
+    from app.judge_service import start_judge_service, stop_judge_service
     from app.preflight import check_fits, make_run_dir, preflight
     from app.resume import republish, train_run_name
     from app.rollout_worker import start_workers
@@ -91,6 +92,8 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, v
                         cfg.rollout.app_name, cfg.rollout.replicas, cfg.router.policy, cfg.rollout.http_port,
                         time.time() - started)
 
+        if cfg.reward.judge.model:  # the judge model's own app, beside the policy's (app/judge_service.py)
+            start_judge_service(cfg, last_step=resume.step if resume is not None else 0)
         actors.workers = start_workers(cfg)  # restartable; a restart frees its slots
         actors.runs = worker_runs = [w.run.remote() for w in actors.workers]
         evals = None
@@ -124,6 +127,7 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, v
         return {**summary, "run_dir": str(run_dir)}  # preflight may have renamed it (NAME-k)
     finally:
         actors.teardown(cfg, status, keep)
+        stop_judge_service(cfg)
 
 
 def _attach_to_fleet(cfg: Config, actors):

@@ -33,6 +33,7 @@ class RunMetrics:
         self._gen = {"tokens": 0, "seconds": 0.0, "groups": 0, "reward_sum": 0.0}
         self._task_reward: dict[str, list] = {}  # data task -> [reward sum, groups] since the last row
         self._extra: dict = {}
+        self._judge: dict | None = None  # a judge's work since the last row (log_judge); None: no judge
         self._t_last = time.time()
 
     def _gauge(self, key: str):
@@ -61,6 +62,26 @@ class RunMetrics:
         self._gen["tokens"] += tokens
         self._gen["seconds"] += seconds
         self._extra["filtered_groups"] = self._extra.get("filtered_groups", 0) + 1
+
+    def log_judge(self, stats: dict) -> None:
+        """One group's judging (app/judge.JudgeStats, from the rollout workers): the counts are running totals
+        (judge_calls, judge_parse_failures, judge_timeouts, judge_errors); the rows since the last carry
+        judge_seconds (the groups' judging wall time) and reward_judge (the mean judge score). {} makes the
+        keys appear."""
+        for key in ("calls", "parse_failures", "timeouts", "errors"):
+            self._extra[f"judge_{key}"] = self._extra.get(f"judge_{key}", 0) + int(stats.get(key, 0))
+        judge = self._judge = self._judge or {"seconds": 0.0, "score_sum": 0.0, "calls": 0}
+        judge["seconds"] += float(stats.get("seconds", 0.0))
+        judge["score_sum"] += float(stats.get("score_sum", 0.0))
+        judge["calls"] += int(stats.get("calls", 0))
+
+    def _judge_row(self) -> dict:
+        judge = self._judge
+        if judge is None:
+            return {}
+        self._judge = {"seconds": 0.0, "score_sum": 0.0, "calls": 0}
+        return {"judge_seconds": judge["seconds"],
+                "reward_judge": judge["score_sum"] / judge["calls"] if judge["calls"] else None}
 
     def add_count(self, key: str, n: int = 1) -> None:
         """A running total reported as it happens (e.g. the rollout workers' `version_mismatches`, which
@@ -111,7 +132,7 @@ class RunMetrics:
         now = time.time()
         gen = self._gen
         ev, self._eval = getattr(self, "_eval", None) or {}, None
-        row = {"step": int(step), "time": now, **metrics, **self._extra, **ev,
+        row = {"step": int(step), "time": now, **metrics, **self._extra, **self._judge_row(), **ev,
                "gen_groups": gen["groups"], "gen_seconds_sum": gen["seconds"],
                # reward of the groups generated since the last row (the batch's own is reward_mean)
                "gen_reward_mean": gen["reward_sum"] / gen["groups"] if gen["groups"] else None,

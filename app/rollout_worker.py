@@ -88,6 +88,9 @@ class RolloutWorker:
         self._published_sha: dict[int, str | None] = {}  # version -> the registry's digest of it
         self._mismatches_reported = False
         self._started = False
+        from app.judge import judge_for
+
+        self.judge = judge_for(self.cfg, self.tokenizer, self._ingress_handle)  # None unless reward.judge.template
 
     def _ingress_handle(self):
         if self._ingress is None:
@@ -106,18 +109,32 @@ class RolloutWorker:
         """Task rewards plus the overlong penalty, one per completion."""
         from app.rewards import overlong_penalty
 
-        if self.cfg.reward.where == "task":
+        if self.cfg.reward.fn is None:  # the judge alone scores (reward.judge.template)
+            rewards = [0.0] * len(comps)
+        elif self.cfg.reward.where == "task":
             refs = [_reward_task.remote(self.cfg.reward.fn, comp["text"], row, comp.get("finish_reason"))
                     for comp in comps]
             rewards = [float(reward) for reward in await asyncio.gather(*refs)]
         else:
             rewards = [self.scorer(comp["text"], row, comp.get("finish_reason")) for comp in comps]
+        rewards = await self._judged(rewards, [comp["text"] for comp in comps], row)
         grpo = self.cfg.grpo
         if grpo.dapo_overlong_buffer > 0:
             rewards = [reward + overlong_penalty(len(comp["token_ids"]), grpo.max_new_tokens,
                                                  grpo.dapo_overlong_buffer, grpo.dapo_overlong_penalty)
                        for reward, comp in zip(rewards, comps)]
         return rewards
+
+    async def _judged(self, rewards: list[float], texts: list[str], row: dict) -> list[float]:
+        """reward.fn_weight x the rule rewards + reward.judge.weight x the judge's scores (app/judge.py); the
+        judging is reported to the run's metrics (judge_* on the rows)."""
+        weight = self.cfg.reward.fn_weight
+        if self.judge is None:
+            return rewards if weight == 1.0 else [weight * reward for reward in rewards]
+        scores, stats = await self.judge.score_group(row, texts)
+        if self.metrics is not None:
+            self.metrics.log_judge.remote(stats.to_dict())
+        return [weight * reward + self.cfg.reward.judge.weight * score for reward, score in zip(rewards, scores)]
 
     async def rollout_one(self, row: dict) -> Group:
         import torch
@@ -180,7 +197,8 @@ class RolloutWorker:
             raise
         gen_s = time.perf_counter() - t0
         await self._check_served([turn for ep in episodes for turn in ep.turns])
-        rewards = [self.episodes.reward(ep, row) for ep in episodes]
+        rewards = await self._judged([self.episodes.reward(ep, row) for ep in episodes],
+                                     [ep.last_text for ep in episodes], row)
         advantages = group_advantages(torch.tensor([rewards]), scale_by_std=self.cfg.scale_advantages)[0].tolist()
         samples = [Sample(prompt_ids=ep.prompt_ids, completion_ids=ep.completion_ids, behaviour_logprobs=ep.logprobs,
                           reward=reward, advantage=advantage, version=ep.version, prompt_id=row["id"],
@@ -261,6 +279,8 @@ class RolloutWorker:
             self._started = True
             await self.buffer.reset_worker.remote(self.worker_id)
             self._count("rollout_retries", 0)  # the 0 is visible on the rows
+            if self.judge is not None and self.metrics is not None:
+                self.metrics.log_judge.remote({})
             if self.episodes is not None:
                 self._count("env_errors", 0)
         await asyncio.gather(*(self._loop() for _ in range(self.cfg.rollout.groups_per_worker)))

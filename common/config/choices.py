@@ -11,6 +11,8 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 TinyShape = Literal["tiny", "small", "qwen2.5-1.5b"]
 BadRowPolicy = Literal["error", "skip"]
 RewardPlace = Literal["worker", "task"]
+# reward.judge.parse.kind: how app/judge.py reads a judge's reply.
+JudgeParseKind = Literal["score", "words"]
 LrSchedule = Literal["constant", "cosine"]
 # grpo.loss_agg: how grpo and cispo reduce per-token losses over a step; train_loops/losses.py imports LOSS_AGGS.
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]

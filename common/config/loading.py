@@ -37,7 +37,10 @@ def validate(cfg: Config) -> None:
 
 def _coerce(text: str) -> Any:
     """`--set` values are YAML scalars: 3, 0.5, 1e-4, true, null, [q_proj, v_proj], strings."""
-    value = yaml.safe_load(text)
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:  # not YAML (a judge template such as `{completion} ...`): the text itself
+        return text
     if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
         try:
             return float(value)
@@ -53,13 +56,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise ConfigError([f"--set {item!r}: expected key=value (e.g. train.total_steps=10)"])
         key, _, value = item.partition("=")
         parts = key.strip().split(".")
-        if len(parts) != 2:
-            raise ConfigError([f"--set {key}: keys are section.name (e.g. grpo.lr)"])
-        section_name, name = parts
-        data.setdefault(section_name, {})
-        if not isinstance(data[section_name], dict):
-            data[section_name] = {}
-        data[section_name][name] = _coerce(value)
+        if len(parts) < 2:
+            raise ConfigError([f"--set {key}: keys are section.name (e.g. grpo.lr, reward.judge.template)"])
+        where = data
+        for part in parts[:-1]:  # a nested section (reward.judge.parse.kind) is a mapping inside its section
+            if not isinstance(where.get(part), dict):
+                where[part] = {}
+            where = where[part]
+        where[parts[-1]] = _coerce(value)
     return data
 
 

@@ -5,6 +5,7 @@ from typing import Any
 
 from common.config.base import Section, broken, option
 from common.config.choices import BadRowPolicy, DType, RewardPlace, TinyShape, words
+from common.config.judge import JudgeConfig
 from common.config.reasoning_gym import REASONING_GYM, REASONING_GYM_REWARDS, AnswerExtract, mix_entry_ok
 
 
@@ -96,6 +97,10 @@ class RewardConfig(Section):
         None, "reasoning-gym data: what part of the completion the task's own checker scores: `answer_tag` "
               "(the last <answer>...</answer>; the default), `boxed` (the last \\boxed{}) or `none` (all of it). "
               "With reasoning-gym data and reward.fn unset, reward.fn becomes that checker (docs/TASKS.md).")
+    fn_weight: float = option(1.0, "reward.fn's weight in the reward when a judge scores too (reward.judge.weight).",
+                              ge=0)
+    judge: JudgeConfig = option(JudgeConfig(), "A generative judge's score, added to reward.fn's (docs/TASKS.md, "
+                                               "\"Judge rewards\"); off until reward.judge.template is set.")
 
     def problems(self) -> list[str]:
         return broken((self.fn is None or ":" in self.fn,

@@ -33,9 +33,15 @@ def cross_section_problems(cfg: Config) -> list[str]:
         (cfg.sync.mode == "merge" or cfg.lora.rank <= rollout.max_lora_rank,
          f"lora.rank: {cfg.lora.rank} exceeds rollout.max_lora_rank {rollout.max_lora_rank}; raise max_lora_rank "
          "or set sync.mode=merge"),
-        (cfg.reward.fn is not None or cfg.env.episodic,
-         "reward.fn: null needs env.cls (a multi-turn environment's step rewards); single-turn runs need a reward "
-         "function"),
+        (cfg.reward.fn is not None or cfg.env.episodic or cfg.reward.judge.template is not None,
+         "reward.fn: null needs env.cls (a multi-turn environment's step rewards) or a judge (reward.judge.template); "
+         "single-turn runs need a reward function"),
+        (cfg.reward.judge.template is None or cfg.reward.judge.model is not None or cfg.sync.mode == "adapter",
+         "reward.judge.model: null judges with the run's base weights (version 0), which sync.mode merge replaces; "
+         "use sync.mode adapter or a judge model directory"),
+        (cfg.eval.path is None or cfg.reward.fn is not None or cfg.env.episodic,
+         "eval.path: evaluation counts a completion correct by reward.fn (reward >= 1), which a judge-only run "
+         "(reward.fn null) has not; set eval.path null or a reward.fn"),
         (cfg.env.verifiers is None or cfg.reward.fn is None,
          "reward.fn: a verifiers environment (env.verifiers) scores with its own @vf.reward functions; set "
          "reward.fn: null"),
@@ -79,12 +85,23 @@ def fleet_problems(cfg: Config) -> list[str]:
 
 
 def machine_problems(cfg: Config) -> list[str]:
-    """What this machine lacks for the config: a requested tracker's package, verifiers for env.verifiers."""
-    missing = missing_loggers(cfg.run.loggers)
+    """What this machine lacks for the config: a requested tracker's package, verifiers for env.verifiers, the judge's
+    model directory."""
+    missing = missing_loggers(cfg.run.loggers) + missing_judge_model(cfg.reward.judge.model)
     if cfg.env.verifiers is not None and importlib.util.find_spec("verifiers") is None:
         missing.append("env.verifiers: needs the `verifiers` package, which is not installed: "
                        "pip install -e \".[envs]\"")
     return missing
+
+
+def missing_judge_model(path: str | None) -> list[str]:
+    """reward.judge.model must be a model directory here (the rollout workers load its tokenizer)."""
+    from pathlib import Path
+
+    if path is None or (Path(path) / "config.json").is_file():
+        return []
+    return [f"reward.judge.model: {path} is not a model directory (no config.json there); null judges with the "
+            "run's own base model"]
 
 
 def missing_loggers(names) -> list[str]:
