@@ -95,7 +95,8 @@ class VerifiersEpisode:
 
     def __init__(self, row: dict):
         env = self.env
-        task_cls = env._task_cls
+        task_cls = type(env.taskset).task_type()
+        # The seat's harness and agent config: verifiers 0.4.0 keeps them on the Env (pinned by the envs extra).
         self.task = task_cls(task_cls.data_type().model_validate(row["vf_task"]), env.taskset.config.task)
         self.harness = env._harnesses.get("agent") or next(iter(env._harnesses.values()))
         self.agent_config = env._agent_specs.get("agent") or next(iter(env._agent_specs.values()))
