@@ -10,6 +10,10 @@ from common.config import Config
 
 logger = logging.getLogger("app")
 
+# The judge apps' registries, by app name: a named actor dies with its last handle, and the judge app's replicas
+# and ingress look theirs up by name (ingress: at its first call), so the driver holds it until the run ends.
+_REGISTRIES: dict = {}
+
 
 def judge_app_name(cfg: Config) -> str:
     """Unique per run: a fleet's runs each start their own judge app on the fleet's cluster."""
@@ -34,6 +38,7 @@ def judge_service_config(cfg: Config) -> Config:
 
 def start_judge_service(cfg: Config, last_step: int = 0):
     """Start the judge app and wait until it serves; returns its ingress handle (None: no judge model)."""
+    import ray
     from ray import serve
 
     from app.placement_watch import wait_service_running
@@ -46,9 +51,12 @@ def start_judge_service(cfg: Config, last_step: int = 0):
         return None
     judge_cfg = judge_service_config(cfg)
     namespace = judge_namespace(cfg)
-    get_or_create_registry(namespace=namespace, **on_driver_node())
-    # Nothing is ever published to it: the replicas serve version 0, and no policy adapter reaches them.
+    registry = get_or_create_registry(namespace=namespace, **on_driver_node())
+    # Nothing is ever published to it: the replicas serve version 0, and no policy adapter reaches them. The call
+    # waits until the actor exists: a replica looks it up by name when it starts.
+    ray.get(registry.attach_ingress.remote(None))
     name = judge_app_name(cfg)
+    _REGISTRIES[name] = registry
     app = build_app(judge_cfg, REGISTRY_NAME, namespace)
     handle = serve.run_many([serve.RunTarget(app, name=name, route_prefix=f"/{name}")],
                             wait_for_applications_running=False)[0]
@@ -74,10 +82,8 @@ def judge_app_handle(cfg: Config):
 
 def stop_judge_service(cfg: Config) -> None:
     """Delete the judge app and its registry; a judge that never started is nothing to stop."""
-    import ray
     from ray import serve
 
-    from common.names import REGISTRY_NAME
     from common.ray_utils import kill_actor
 
     if cfg.reward.judge.template is None or cfg.reward.judge.model is None:
@@ -86,7 +92,4 @@ def stop_judge_service(cfg: Config) -> None:
         serve.delete(judge_app_name(cfg))
     except Exception as e:  # teardown goes on to the registry
         logger.warning("could not delete the judge app: %s", e)
-    try:
-        kill_actor(ray.get_actor(REGISTRY_NAME, namespace=judge_namespace(cfg)))
-    except ValueError:  # never created
-        pass
+    kill_actor(_REGISTRIES.pop(judge_app_name(cfg), None))

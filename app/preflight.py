@@ -88,6 +88,8 @@ def make_run_dir(cfg: Config, resume: Resume | None) -> tuple[Config, Path]:
     working directories."""
     cfg = cfg.replace(model={"path": str(Path(cfg.model.path).resolve())},
                       run={"out_dir": str(Path(cfg.run.out_dir).resolve())})
+    if cfg.reward.judge.model:
+        cfg = cfg.replace(reward={"judge": cfg.reward.judge.replace(model=str(Path(cfg.reward.judge.model).resolve()))})
     if resume is None:
         wanted, cfg = cfg.run_dir, free_run_name(cfg)
         if cfg.run_dir != wanted:

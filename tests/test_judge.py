@@ -208,3 +208,19 @@ def test_judge_stats_reach_the_rows(tmp_path):
     assert [(r["judge_calls"], r["judge_parse_failures"], r["judge_timeouts"], r["judge_errors"]) for r in rows] == [
         (4, 1, 0, 0), (6, 1, 1, 1), (6, 1, 1, 1)]
     assert [(r["judge_seconds"], r["reward_judge"]) for r in rows] == [(0.5, 0.5), (0.25, 0.0), (0.0, None)]
+
+
+def test_a_judge_model_gets_its_own_app_config(tiny_model_dir):
+    """reward.judge.model set: the judge app is the policy's app over the judge model, with the judge's replicas and
+    resources, no REST ports of its own, named per run (a fleet's runs each start one)."""
+    from app.judge_service import judge_app_name, judge_service_config
+
+    cfg = C.load(None, [f"reward.judge.template={TEMPLATE}", f"reward.judge.model={tiny_model_dir}",
+                        "reward.judge.replicas=2", "reward.judge.cpus=0.25", "rollout.replica_http_port=0",
+                        "rollout.front_port=0"])
+    judge = judge_service_config(cfg)
+    assert judge.model.path == str(tiny_model_dir) and not judge.model.build_tiny
+    assert (judge.rollout.app_name, judge.rollout.replicas, judge.rollout.cpus_per_replica) == ("policy-judge", 2, 0.25)
+    assert judge.rollout.replica_http_port is None and judge.rollout.front_port is None
+    on_fleet = cfg.replace(run={"fleet": "shared", "name": "r1"}, rollout={"app_name": "fleet-shared"})
+    assert judge_app_name(on_fleet) == "fleet-shared-judge-r1"
