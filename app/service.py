@@ -41,8 +41,8 @@ def start_rollout_service(cfg: Config, registry, verbose: bool = False, last_ste
 
 
 def start_front(cfg: Config, ingress):
-    """The app's REST front when rollout.front_port is set (serve_deployments/haproxy_front.py); its URL is
-    logged. A front already up for the app (a resumed run) is replaced."""
+    """The app's REST front (rollout.front_port, on by default; serve_deployments/haproxy_front.py); its URL is
+    logged, or why it is off. A front already up for the app (a resumed run) is replaced."""
     from serve_deployments.haproxy_front import start_front as _start
 
     stop_front(cfg.rollout.app_name)
@@ -51,6 +51,12 @@ def start_front(cfg: Config, ingress):
         _FRONTS[cfg.rollout.app_name] = watch
         logger.info("REST front on %s (generation straight to the replicas' ports)", watch.front.url)
     return watch
+
+
+def front_url(app_name: str) -> str | None:
+    """The URL of the app's REST front, None when it has none."""
+    watch = _FRONTS.get(app_name)
+    return watch.front.url if watch is not None else None
 
 
 def stop_front(app_name: str) -> None:
@@ -108,14 +114,16 @@ def serve_policy(cfg: Config, payload: tuple[dict, dict] | None, adapter_dir: st
     if version is not None:
         print(f"published {adapter_dir} as policy-v{version} (policy-latest)", flush=True)
     body = wait_healthy(handle)
-    print(f"serving {cfg.model.path} on http://127.0.0.1:{cfg.rollout.http_port}/v1 "
+    front = start_front(cfg, handle)  # on by default; None after its one line when it cannot start
+    serve_url = f"http://127.0.0.1:{cfg.rollout.http_port}/v1"
+    print(f"serving {cfg.model.path} on {front.front.url if front else serve_url} "
           f"({body['replicas']} replicas, live: {body['live'] or 'base only'}); Ctrl-C to stop", flush=True)
+    if front is not None:
+        print(f"  that is the REST front (generation straight to the replicas' ports, routed); every route also on "
+              f"Serve's port {serve_url} (two Python hops slower)", flush=True)
     direct = [s["http_url"] for s in handle.stats.remote().result()["replicas"] if s.get("http_url")]
     if direct:  # rollout.replica_http_port
         print(f"each replica also on its own port (no routing): {', '.join(direct)}", flush=True)
-    front = start_front(cfg, handle)
-    if front is not None:
-        print(f"REST front (routed, straight to the replicas' ports): {front.front.url}", flush=True)
     # SIGTERM (docker stop, Kubernetes, a background job) stops it like Ctrl-C: app deleted, Ray shut down.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:

@@ -609,9 +609,10 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default=None, help="model shape (default tiny on CPU, qwen2.5-1.5b on a GPU)")
     p.add_argument("--work", default=None, help="model, adapter and logs (default: a temp dir)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    p.add_argument("--sides", default=",".join(SIDES[:-1]),
-                   help="our sides, each measured against vLLM's server: rest (the Serve port), front (the REST front, "
-                        "rollout.front_port), direct (the replica's own port); default %(default)s")
+    p.add_argument("--sides", default="front",
+                   help="our sides, each measured against vLLM's server: front (the REST front, rollout.front_port: "
+                        "the endpoint `app serve` prints by default), rest (Serve's own port), direct (the replica's "
+                        "own port); default %(default)s")
     p.add_argument("--direct-ingress", action="store_true",
                    help="Ray Serve's experimental direct ingress: the Ingress replica serves HTTP itself, no proxy hop")
     p.add_argument("--start-order", choices=list(START_ORDERS), default=None,

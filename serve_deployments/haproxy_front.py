@@ -251,10 +251,19 @@ class FrontWatch:
 
 
 def start_front(cfg, ingress) -> FrontWatch | None:
-    """The front for `cfg` (None when rollout.front_port is off) over `ingress`, a handle to the Ingress."""
+    """The front for `cfg` over `ingress`, a handle to the Ingress; None when rollout.front_port is off, and
+    None after one warning line saying why when it cannot start (no HAProxy, the port taken, the replicas'
+    ports off): the service then answers every route on Serve's port, only slower."""
     r = cfg.rollout
-    if r.front_port is None:
+    if r.front_port is None or r.proxy_location == "Disabled":  # off, or no REST at all (rollouts only)
         return None
-    threads = max(1, min(4, (os.cpu_count() or 2) // 4))  # a thread per 4 cores: on 2 the engine needs both
-    return FrontWatch(HAProxyFront(r.front_port, r.http_port, threads=threads),
-                      lambda: ingress.stats.remote().result(timeout_s=30)).start()
+    try:
+        if r.replica_http_port is None:
+            raise RuntimeError("rollout.replica_http_port is null (the front forwards to the replicas' own ports)")
+        threads = max(1, min(4, (os.cpu_count() or 2) // 4))  # a thread per 4 cores: on 2 the engine needs both
+        return FrontWatch(HAProxyFront(r.front_port, r.http_port, threads=threads),
+                          lambda: ingress.stats.remote().result(timeout_s=30)).start()
+    except (OSError, RuntimeError) as e:  # FileNotFoundError (no binary) is an OSError
+        log.warning("REST front off (%s): REST on Serve's port http://127.0.0.1:%d/v1 only, two Python hops "
+                    "slower (rollout.front_port)", str(e).removeprefix("rollout.front_port ").strip(), r.http_port)
+        return None

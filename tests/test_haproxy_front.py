@@ -17,7 +17,7 @@ import pytest
 
 from common.config import ConfigError
 from common.ports import free_port
-from serve_deployments.haproxy_front import HAProxyFront, render_config, replica_targets
+from serve_deployments.haproxy_front import HAProxyFront, render_config, replica_targets, start_front
 
 
 class _Named(BaseHTTPRequestHandler):
@@ -163,10 +163,10 @@ def test_targets_come_from_the_ingress_stats_and_render_as_servers():
 
 
 @pytest.mark.parametrize("sets, needle", [
-    (["rollout.front_port=9100"], "set rollout.replica_http_port"),
+    (["rollout.front_port=9100", "rollout.replica_http_port=null"], "set rollout.replica_http_port"),
     (["rollout.front_port=8000", "rollout.replica_http_port=0"], "is Serve's rollout.http_port"),
     (["rollout.front_port=70000", "rollout.replica_http_port=0"], r"must be in \[0, 65535\] or null, got 70000"),
-    (["rollout.front_port=0", "rollout.replica_http_port=0", "rollout.proxy_location=Disabled"],
+    (["rollout.front_port=9100", "rollout.replica_http_port=0", "rollout.proxy_location=Disabled"],
      "must not be Disabled"),
 ])
 def test_bad_front_settings_are_refused_naming_the_key(sets, needle):
@@ -195,7 +195,58 @@ def test_a_fleet_refuses_a_front_before_it_starts_anything():
     from app.fleet import fleet_up
     from common import config as C
 
-    cfg = C.load("recipes/tiny-cpu.yaml", ["rollout.front_port=0", "rollout.replica_http_port=0"])
+    assert not C.fleet_problems(C.load("recipes/tiny-cpu.yaml", []))  # the default front (0): none is started
+    cfg = C.load("recipes/tiny-cpu.yaml", ["rollout.front_port=9100", "rollout.replica_http_port=0"])
     with pytest.raises(ConfigError, match="rollout.front_port: a fleet has no REST front yet"):
         fleet_up(cfg, "f", slots=2, lease_s=30)
     assert not ray.is_initialized()
+
+
+class _Ingress:
+    """Stands in for a Serve handle to the Ingress (a real one needs Ray and a replica: tests/test_hostile_rest.py
+    has those); start_front only asks it for the replicas' URLs."""
+
+    def __init__(self, urls):
+        self.stats = self
+        self._urls = urls
+
+    def remote(self):
+        return self
+
+    def result(self, timeout_s=None):
+        return {"replicas": [{"http_url": u} for u in self._urls]}
+
+
+def _front_lines(caplog):
+    return [r.getMessage() for r in caplog.records if "REST front off" in r.getMessage()]
+
+
+def test_the_default_config_starts_the_front_or_says_in_one_line_why_not(backends, caplog):
+    """Defaults: the front is on (rollout.front_port 0, replica ports 0). Where it cannot start the service keeps
+    Serve's port and one warning line says why; the front is not an error."""
+    from common import config as C
+
+    serve_port = backends["serve"].server_address[1]
+    cfg = C.load("recipes/tiny-cpu.yaml", [f"rollout.http_port={serve_port}"])
+    assert (cfg.rollout.front_port, cfg.rollout.replica_http_port) == (0, 0)
+    watch = start_front(cfg, _Ingress([f"http://127.0.0.1:{backends['r0'].server_address[1]}/v1"]))
+    try:
+        assert watch is not None and _front_lines(caplog) == []
+        r = httpx.post(f"http://127.0.0.1:{watch.front.port}/v1/completions", json={"model": "m", "prompt": "p"})
+        assert r.status_code == 200 and r.json()["server"] == "r0"
+    finally:
+        watch.stop()
+
+    assert start_front(cfg.replace(rollout={"replica_http_port": None}), _Ingress([])) is None
+    assert _front_lines(caplog) == [
+        f"REST front off (rollout.replica_http_port is null (the front forwards to the replicas' own ports)): REST on "
+        f"Serve's port http://127.0.0.1:{serve_port}/v1 only, two Python hops slower (rollout.front_port)"]
+    caplog.clear()
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert start_front(cfg.replace(rollout={"front_port": port}), _Ingress([])) is None
+    (line,) = _front_lines(caplog)
+    assert f"REST front off ({port}: cannot listen on 0.0.0.0:{port}" in line
+    assert start_front(cfg.replace(rollout={"proxy_location": "Disabled"}), _Ingress([])) is None  # no REST at all

@@ -42,29 +42,34 @@ class RolloutConfig(Section):
               "as one message through the replica -> ingress -> proxy hops (0 = one message per token, as vLLM's "
               "own server writes them). Ray Serve LLM batches the same way (50 ms).", ge=0, le=1000)
     replica_http_port: int | None = option(
-        None, "Also serve the OpenAI routes on each replica's own HTTP port, in the engine's process: this port, or "
-              "the next free one for a second replica of the node (0: any free port; null: off). No routing and no "
-              "Serve hops: a client of one replica's port gets that replica at the speed of vLLM's own server. The "
-              "URLs are in the service's stats (`replicas[].http_url`) and printed by `app serve`.", ge=0, le=65535)
+        0, "Also serve the OpenAI routes on each replica's own HTTP port, in the engine's process: this port, or "
+           "the next free one for a second replica of the node (0: any free port; null: off, and so the REST front). "
+           "No routing and no Serve hops: a client of one replica's port gets that replica at the speed of vLLM's own "
+           "server. The URLs are in the service's stats (`replicas[].http_url`) and printed by `app serve`.",
+        ge=0, le=65535)
     front_port: int | None = option(
-        None, "The REST front: HAProxy on this port (0: any free one; null: off) sends the generation routes straight "
-              "to a replica's own port (needs rollout.replica_http_port), chosen by a consistent hash of the model "
-              "and the prompt's head with bounded load, and every other route to Serve's http_port. vLLM's speed "
-              "with routing kept (serve_deployments/haproxy_front.py); `app serve` prints its URL. Not for a fleet "
-              "(`fleet up` refuses it).", ge=0, le=65535)
+        0, "The REST front, on by default: HAProxy on this port (0: any free one; null: off) sends the generation "
+           "routes straight to a replica's own port (rollout.replica_http_port), chosen by a consistent hash of the "
+           "model and the prompt's head with bounded load, and every other route to Serve's http_port: 0.91-1.00x "
+           "vLLM's own server where Serve's port gives 0.5-0.6x (BENCHMARKS.md section 12). `app serve` prints its "
+           "URL as the endpoint; where it cannot start (no HAProxy, the port taken, replica ports off) the service "
+           "says why in one line and serves on http_port alone (serve_deployments/haproxy_front.py). A fleet has "
+           "none.", ge=0, le=65535)
     tool_parser: str | None = option(
         "hermes", "vLLM tool parser for REST chat completions with `tools` and tool_choice auto (a name vLLM's "
                   "ToolParserManager knows: hermes for the Qwen/Hermes <tool_call> format); it also reads back "
                   "named and `required` tool choices. null = tool calling off (only tool_choice none).")
 
     def problems(self) -> list[str]:
+        # Only a port asked for by number is held to these; the default (0) falls back to http_port with a line.
+        asked = self.front_port not in (None, 0)
         return broken(
-            (self.front_port is None or self.replica_http_port is not None,
+            (not asked or self.replica_http_port is not None,
              "rollout.front_port: the front forwards to the replicas' own ports; set rollout.replica_http_port "
              "(0: any free port)"),
-            (self.front_port is None or self.front_port == 0 or self.front_port != self.http_port,
+            (not asked or self.front_port != self.http_port,
              f"rollout.front_port: {self.front_port} is Serve's rollout.http_port; the front needs its own port"),
-            (self.front_port is None or self.proxy_location != "Disabled",
+            (not asked or self.proxy_location != "Disabled",
              "rollout.front_port: the front sends every route but generation to Serve's proxy; "
              "rollout.proxy_location must not be Disabled"),
         )

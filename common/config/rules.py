@@ -81,7 +81,7 @@ FLEET_HAS_NO_FRONT = ("rollout.front_port: a fleet has no REST front yet (it wou
 
 def fleet_problems(cfg: Config) -> list[str]:
     """What a config to start a shared fleet with (`fleet up`) may not set."""
-    return broken((cfg.rollout.front_port is None, FLEET_HAS_NO_FRONT))
+    return broken((cfg.rollout.front_port in (None, 0), FLEET_HAS_NO_FRONT))  # 0, the default: none is started
 
 
 def machine_problems(cfg: Config) -> list[str]:
