@@ -113,7 +113,10 @@ def cmd_train(argv: list[str]) -> int:
     if cfg.run.serve_after:
         import time
 
-        print(f"serving policy-latest on http://127.0.0.1:{cfg.rollout.http_port}/v1 ; Ctrl-C to stop", flush=True)
+        from app.service import front_url
+
+        url = front_url(cfg.rollout.app_name) or f"http://127.0.0.1:{cfg.rollout.http_port}/v1"
+        print(f"serving policy-latest on {url} ; Ctrl-C to stop", flush=True)
         try:
             while True:
                 time.sleep(3600)

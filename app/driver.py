@@ -54,7 +54,7 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, v
     from app.resume import republish, train_run_name
     from app.rollout_worker import start_workers
     from app.run_actors import start_run_actors
-    from app.service import start_rollout_service
+    from app.service import front_url, start_rollout_service
     from app.summary import finish_run
     from app.watch import Progress, train_and_watch
     from common.ray_utils import init_ray
@@ -87,9 +87,9 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, v
         else:
             ingress = start_rollout_service(cfg, actors.registry, verbose,
                                             last_step=resume.step if resume is not None else 0)
-            logger.info("service: app %r, %d vLLM replicas behind the ingress (%s routing), "
-                        "http://127.0.0.1:%d/v1 (%.0fs)",
-                        cfg.rollout.app_name, cfg.rollout.replicas, cfg.router.policy, cfg.rollout.http_port,
+            logger.info("service: app %r, %d vLLM replicas behind the ingress (%s routing), %s (%.0fs)",
+                        cfg.rollout.app_name, cfg.rollout.replicas, cfg.router.policy,
+                        front_url(cfg.rollout.app_name) or f"http://127.0.0.1:{cfg.rollout.http_port}/v1",
                         time.time() - started)
 
         if cfg.reward.judge.model:  # the judge model's own app, beside the policy's (app/judge_service.py)
