@@ -36,9 +36,12 @@ def run(cfg: Config, *, keep_serving: bool = False, progress: bool = True, verbo
     (`stop_serving` ends it). The console is quiet unless verbose (see Console); RUN_DIR/logs/ holds the
     engines' logs. `resume` (from app.resume.prepare_resume) continues an earlier run in its own directory.
     A run stopped by Ctrl-C returns {"interrupted": True, ...} (no summary.json: it is resumable)."""
+    from cluster.gpu_mps import mps_for_run
+
     console = Console(None, verbose)
     try:
-        return _run(cfg, console, keep_serving=keep_serving, progress=progress, verbose=verbose, resume=resume)
+        with mps_for_run(cfg):  # train.mps: a CUDA MPS daemon before Ray starts, or one line saying why not
+            return _run(cfg, console, keep_serving=keep_serving, progress=progress, verbose=verbose, resume=resume)
     finally:
         console.close()
 

@@ -9,6 +9,10 @@ async with max_staleness 2.
     python -m benchmarks.gpu_pipeline --phases trainer     # one phase (results merge into the JSON)
     python -m app bench gpu_pipeline
 
+A plain run is the published one: the pipeline phase runs under CUDA MPS where the machine supports it (one line
+says which; --no-mps for time-sliced) with PIPELINE_DEFAULT_SETS (rollout.max_num_seqs 512) and CUDA graphs, and
+each run's record keeps the exact resolved config it ran (`runs.NGPU.MODE.config`).
+
 Phases (each in its own processes, so each starts with a clean GPU):
 - trainer (1 GPU): our trainer (train_loops.harness under torchrun, DeepSpeed ZeRO-2, the step's
   micro-batches cut by the token budget) against a plain PEFT loop (HF model + PEFT LoRA, gradient
@@ -60,6 +64,9 @@ GOALS = {"step_seconds_1gpu_p50": ("<=", 4.0), "step_seconds_1gpu_mean": ("<=", 
          "lora_vs_base_decode": (">=", 0.85), "publish_to_served_p50_s": ("<=", 0.15),
          "async_vs_sync_1gpu": (">=", 1.3), "rest_vs_vllm_serve": (">=", 0.9),
          "rest_vs_vllm_front": (">=", 0.9)}
+# The pipeline phase's defaults: the fastest set-up measured on one H200 (BENCHMARKS.md section 14, with --mps and
+# CUDA graphs), so that a plain run reproduces the published step time; --pipeline-set overrides them.
+PIPELINE_DEFAULT_SETS = ("rollout.max_num_seqs=512",)
 SMOKE = {"shape": "tiny", "prompts_per_step": 2, "group_size": 4, "prompt_tokens": 16, "new_tokens": 16}
 if os.environ.get("GPU_PIPELINE_SMOKE") == "1":  # --smoke, inherited by the phases' child processes
     WORKLOAD.update(SMOKE)
@@ -496,13 +503,16 @@ def phase_pipeline(args, work: Path, model: Path, out: Path) -> dict:
     runs = dict(args.prev_runs.get(f"{gpus}gpu", {}))
     with contextlib.ExitStack() as stack:
         if args.mps:  # the runs' Ray workers inherit the daemon's pipe folder from this process's environment
-            from cluster.gpu_mps import CUDA_PROBE, MpsError, mps_daemon
+            from cluster.gpu_mps import mps_if_supported
 
-            try:
-                stack.enter_context(mps_daemon(work / "mps", probe=[sys.executable, "-c", CUDA_PROBE]))
-            except MpsError as e:  # the lease's minutes still buy the plain run; the record says why
-                print(f"--mps: {e}; running without MPS", flush=True)
-                res["mps_error"] = str(e)
+            said: list[str] = []  # its one line (on, or off and why), printed and recorded
+
+            def say(line: str) -> None:
+                said.append(line)
+                print(line, flush=True)
+
+            if stack.enter_context(mps_if_supported(work / "mps", say=say)) is None:
+                res["mps_error"] = said[0]  # the lease's minutes still buy the plain run; the record says why
                 args.mps = False
         for mode in args.modes.split(","):
             _pipeline_mode(args, work, model, out, gpus, mode, runs, res)
@@ -676,6 +686,7 @@ def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: s
             f"grpo.max_new_tokens={w['new_tokens']}", "grpo.ignore_eos=true", "grpo.lr=1e-4",
             f"sync.max_staleness={w['max_staleness']}", f"train.total_steps={steps}", "checkpoint.every=0",
             "rollout.enforce_eager=false", "rollout.groups_per_worker=12",
+            "train.mps=false",  # the daemon is this benchmark's own (--mps), around the whole phase
             f"run.mode={mode}", f"run.name=gpu-pipeline-{mode}-{gpus}gpu", "run.out_dir=runs/gpu"]
     # One GPU: the recipe's split (the engine takes gpu_memory_utilization 0.3 of it, the trainer the rest);
     # two: the rollout GPU is the engine's alone.
@@ -697,6 +708,7 @@ def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: s
     rec = record(f"pipeline-{mode}", cfg, rows, summary, time.time() - t0, "")
     rec["error"] = err
     rec["stopped_at_deadline"] = bool(fired)
+    rec["config"] = json.loads(json.dumps(cfg.to_dict(), default=str))  # the exact resolved config it ran
     Path(out).write_text(json.dumps(rec, default=float))
     # Beside the record: the run's rows and, with train.profile_step, the trainer's profile.
     for src, name in (("metrics.jsonl", "metrics.jsonl"), ("profile.txt", "profile.txt")):
@@ -709,7 +721,8 @@ def phase_rest(args, work: Path, model: Path, out: Path) -> dict:
     """benchmarks/rest_vs_vllm.py in its own processes, on the phase's model; its goal keys."""
     device = "gpu" if _gpus() else "cpu"
     cmd = [sys.executable, "-m", "benchmarks.rest_vs_vllm", "--shape", args.shape, "--work", str(work),
-           "--out", str(out)] + (["--smoke"] if os.environ.get("GPU_PIPELINE_SMOKE") == "1" else [])
+           "--out", str(out), "--sides", "rest,front"]
+    cmd += ["--smoke"] if os.environ.get("GPU_PIPELINE_SMOKE") == "1" else []
     log = out / f"rest_vs_vllm_{device}.log"
     t0 = time.time() - 1
     rc = run_logged(cmd, log, _time_left(args))
@@ -810,6 +823,36 @@ def _plot(doc: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The main command's arguments; --pipeline-set follows PIPELINE_DEFAULT_SETS (a later set wins)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phases", default="trainer,rollout,pipeline")
+    p.add_argument("--trainer-steps", type=int, default=5)
+    p.add_argument("--pipeline-steps", type=int, default=12)
+    p.add_argument("--sync-steps", type=int, default=8, help="steps of the sync comparison run")
+    p.add_argument("--modes", default="async,sync", help="pipeline phase: which runs")
+    p.add_argument("--trainer-set", action="append", default=[], help="trainer phase: config KEY=VALUE")
+    p.add_argument("--pipeline-set", action="append", default=[],
+                   help="pipeline phase: config KEY=VALUE, after the measured-best defaults "
+                        f"({', '.join(PIPELINE_DEFAULT_SETS)}; a later set wins)")
+    p.add_argument("--mps", action=argparse.BooleanOptionalAction, default=True,
+                   help="pipeline phase: under a CUDA MPS daemon (cluster/gpu_mps.py) where the machine supports it, "
+                        "else time-sliced with one line saying why; runs recorded as MODE-mps (default: on, the "
+                        "measured best; --no-mps for the time-sliced run)")
+    p.add_argument("--trainer-ablation", default="",
+                   help="trainer phase: extra runs, ';'-separated, each a ','-separated KEY=VALUE list")
+    p.add_argument("--shape", default=WORKLOAD["shape"], help="model shape")
+    p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny shape, short sequences")
+    p.add_argument("--work", default=None, help="where models and runs go (default: a temp dir)")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="end within this many seconds (a lease call's limit): a pipeline run is asked to stop "
+                        f"{STOP_GRACE_S:.0f} s before and keeps the steps it made; 0: no limit")
+    args = p.parse_args(argv)
+    args.pipeline_set = [*PIPELINE_DEFAULT_SETS, *args.pipeline_set]
+    return args
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("_peft", "_bare", "_run"):  # the phases' child processes
@@ -834,26 +877,7 @@ def main(argv=None) -> int:
             pipeline_run(a.model, a.mode, a.data, a.steps, a.gpus, a.out, a.set, a.deadline_s)
         return 0
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phases", default="trainer,rollout,pipeline")
-    p.add_argument("--trainer-steps", type=int, default=5)
-    p.add_argument("--pipeline-steps", type=int, default=12)
-    p.add_argument("--sync-steps", type=int, default=8, help="steps of the sync comparison run")
-    p.add_argument("--modes", default="async,sync", help="pipeline phase: which runs")
-    p.add_argument("--trainer-set", action="append", default=[], help="trainer phase: config KEY=VALUE")
-    p.add_argument("--pipeline-set", action="append", default=[], help="pipeline phase: config KEY=VALUE")
-    p.add_argument("--mps", action="store_true",
-                   help="pipeline phase: under a CUDA MPS daemon (cluster/gpu_mps.py); runs recorded as MODE-mps")
-    p.add_argument("--trainer-ablation", default="",
-                   help="trainer phase: extra runs, ';'-separated, each a ','-separated KEY=VALUE list")
-    p.add_argument("--shape", default=WORKLOAD["shape"], help="model shape")
-    p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny shape, short sequences")
-    p.add_argument("--work", default=None, help="where models and runs go (default: a temp dir)")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    p.add_argument("--budget-s", type=float, default=0.0,
-                   help="end within this many seconds (a lease call's limit): a pipeline run is asked to stop "
-                        f"{STOP_GRACE_S:.0f} s before and keeps the steps it made; 0: no limit")
-    args = p.parse_args(argv)
+    args = parse_args(argv)
     args.started = time.time()
 
     import torch

@@ -15,6 +15,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,3 +73,44 @@ def mps_daemon(root: Path, probe: list[str] | None = None) -> Iterator[dict]:
 
 def _quit(exe: str, env: dict) -> None:
     subprocess.run([exe], input="quit\n", env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+
+
+@contextlib.contextmanager
+def mps_if_supported(root: Path, say=print, joining: str | None = None) -> Iterator[dict | None]:
+    """CUDA MPS where this machine supports it, time-slicing where not: one line from `say` names which and,
+    when off, why (no control binary, a daemon that serves no client, `joining` a Ray cluster whose workers
+    started without it). Yields the daemon's environment, or None when off. Enter it before Ray starts."""
+    if joining:
+        say(f"CUDA MPS off: {joining}; the trainer and the replica time-slice the GPU")
+        yield None
+        return
+    try:
+        daemon = mps_daemon(root, probe=[sys.executable, "-c", CUDA_PROBE])
+        env = daemon.__enter__()
+    except MpsError as e:
+        say(f"CUDA MPS off: {e}; the trainer and the replica time-slice the GPU")
+        yield None
+        return
+    say(f"CUDA MPS on: the trainer's and the replica's kernels share the GPU (daemon in {root})")
+    try:
+        yield env
+    finally:
+        daemon.__exit__(None, None, None)
+
+
+def mps_for_run(cfg) -> contextlib.AbstractContextManager:
+    """`train.mps` for one `app train` run: mps_if_supported around the whole run (Ray starts inside it, so
+    its workers inherit the daemon's folders); nothing when the key is off."""
+    if not cfg.train.mps:
+        return contextlib.nullcontext()
+    import logging
+    import tempfile
+
+    import ray
+
+    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
+    joining = ("Ray is already up in this process, its workers started without the daemon" if ray.is_initialized()
+               else f"joining the Ray cluster at {address}, whose workers started without the daemon"
+               if address not in (None, "", "local") else None)
+    root = Path(tempfile.gettempdir()) / f"lora-grpo-mps-{os.getpid()}"
+    return mps_if_supported(root, say=logging.getLogger("app").info, joining=joining)

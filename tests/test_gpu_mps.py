@@ -2,6 +2,7 @@
 here, so `nvidia-cuda-mps-control` is a stand-in script on PATH that records how it was called (the real
 one needs the driver); what is checked is this module's side: the flags, the pipe and log folders the
 children inherit, the `quit` on exit, the environment put back, and the errors."""
+import logging
 import os
 import stat
 
@@ -83,3 +84,52 @@ def test_probe_runs_as_first_client_and_a_failing_one_stops_the_daemon(tmp_path,
             ran.append(1)
     assert not ran and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
     assert calls.read_text().splitlines()[-1].rstrip().endswith("stdin=quit")
+
+
+def test_without_the_control_binary_mps_is_off_in_one_line_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+    from cluster.gpu_mps import mps_for_run, mps_if_supported
+    from common import config as C
+
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    said = []
+    with mps_if_supported(tmp_path / "mps", say=said.append) as env:
+        assert env is None and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    assert said == ["CUDA MPS off: nvidia-cuda-mps-control is not on PATH: CUDA MPS needs the NVIDIA driver's "
+                    "utilities on this node; the trainer and the replica time-slice the GPU"]
+
+    # `app train` with the GPU recipe (train.mps: true): the same one line on the console's logger.
+    with caplog.at_level(logging.INFO, logger="app"):
+        with mps_for_run(C.load("recipes/gpu-1x.yaml")) as env:
+            assert env is None
+        with mps_for_run(C.load("recipes/gpu-1x.yaml", ["train.mps=false"])) as env:  # off: nothing said
+            assert env is None
+    assert [r.getMessage() for r in caplog.records if "CUDA MPS" in r.getMessage()] == [said[0]]
+
+
+def test_a_daemon_that_serves_no_client_is_quit_and_named(tmp_path, monkeypatch):
+    """The stand-in daemon starts, but the CUDA probe (a real torch process) finds no GPU here: the daemon is
+    quit and the one line says why, with the probe's error."""
+    from cluster.gpu_mps import mps_if_supported
+
+    calls = _stand_in(tmp_path, monkeypatch)
+    said = []
+    with mps_if_supported(tmp_path / "mps", say=said.append) as env:
+        assert env is None
+    (line,) = said
+    assert line.startswith("CUDA MPS off: the MPS daemon started but its first client failed (exit 1: ")
+    assert calls.read_text().splitlines()[-1].rstrip().endswith("stdin=quit")
+
+
+def test_the_gpu_recipe_and_the_pipeline_benchmark_default_to_the_measured_best():
+    """BENCHMARKS.md section 14's best: MPS, rollout.max_num_seqs 512, CUDA graphs; a plain run reproduces it."""
+    from benchmarks.gpu_pipeline import PIPELINE_DEFAULT_SETS, parse_args
+    from common import config as C
+
+    cfg = C.load("recipes/gpu-1x.yaml")
+    assert (cfg.train.mps, cfg.rollout.max_num_seqs, cfg.rollout.enforce_eager) == (True, 512, False)
+    assert C.load("recipes/gpu-2x.yaml").rollout.enforce_eager is False
+    args = parse_args([])
+    assert args.mps is True and args.pipeline_set == ["rollout.max_num_seqs=512"] == list(PIPELINE_DEFAULT_SETS)
+    assert C.load("recipes/gpu-1x.yaml", args.pipeline_set).rollout.max_num_seqs == 512
+    args = parse_args(["--no-mps", "--pipeline-set", "rollout.max_num_seqs=256"])
+    assert args.mps is False and C.load("recipes/gpu-1x.yaml", args.pipeline_set).rollout.max_num_seqs == 256

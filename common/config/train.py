@@ -47,6 +47,12 @@ class TrainConfig(Section):
            "budget, so a long run survives any number of faults spread over its life.", ge=0)
     profile_step: int | None = option(None, "profile this optimizer step with torch.profiler on rank 0 and write its "
                                             "top ops to RUN_DIR/profile.txt (None: off)", ge=1)
+    mps: bool = option(
+        False, "Run under CUDA MPS (cluster/gpu_mps.py) where the machine supports it: a daemon started before Ray, so "
+               "a trainer and a replica sharing one GPU run their kernels side by side instead of taking turns (the "
+               "measured best on one H200: BENCHMARKS.md section 14). One line says whether it is on and, if not, why "
+               "(no nvidia-cuda-mps-control, a daemon that serves no client, a Ray cluster joined or already up); "
+               "off, the run goes on time-sliced.")
     mps_priority: MpsPriority = option(
         "normal", "Under CUDA MPS (one GPU shared by the trainer and a replica; cluster/gpu_mps.py), the train "
                   "workers' CUDA_MPS_CLIENT_PRIORITY. below_normal: when SMs free up, the GPU starts a replica's "
