@@ -24,15 +24,12 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.data_errors import DataError  # noqa: F401  (raised here; callers import it from app.data too)
 from common.config import DataConfig
 
 logger = logging.getLogger("app.data")
 
 _EXTS = (".parquet", ".jsonl", ".json", ".arrow")
-
-
-class DataError(ValueError):
-    pass
 
 
 def letters_task(n: int, seed: int = 0) -> list[dict]:

@@ -16,7 +16,7 @@ import functools
 import json
 import random
 
-from app.data import DataError
+from app.data_errors import DataError
 from common.config.reasoning_gym import REASONING_GYM
 
 EXTRA_HINT = 'pip install -e ".[envs]"'
