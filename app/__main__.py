@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -364,6 +365,10 @@ def cmd_import_gguf(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--verbose" not in argv:
+        # gRPC's C core writes INFO lines straight to stderr (past Python's logging), e.g. when the driver forks
+        # HAProxy while Ray's threads are in gRPC: read once, when Ray first loads gRPC, so set it before that.
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not argv or argv[0] in ("-h", "--help"):
         print(_top_help())

@@ -227,4 +227,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is written and the group is gone: leave without the interpreter's teardown, where a joinable
+    # C++ thread of the CPU collectives' stack now and then calls std::terminate ("terminate called without an
+    # active exception", SIGABRT) and torchrun then fails a run that finished.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
