@@ -1,7 +1,9 @@
-"""This process's descendants, read from /proc (Linux): the processes of a local Ray cluster it started."""
+"""Processes this one started: its descendants, read from /proc (Linux; the processes of a local Ray cluster it
+started), and ending a child."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 
@@ -29,3 +31,15 @@ def descendant_pids(title_part: str) -> list[int]:
         return False
 
     return [pid for pid, c in cmd.items() if title_part in c and pid != me and mine(pid)]
+
+
+def end_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """End a child this process started: SIGTERM, up to `timeout_s` for it to go, then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from common.processes import end_process
+
 log = logging.getLogger("app")
 
 HEAD_BYTES = 256  # of the prompt (or messages) that make the affinity key: ~64 tokens, a few KV blocks
@@ -213,13 +215,8 @@ class HAProxyFront:
         return p.read_text(errors="replace")[-n:].strip() if p.exists() else ""
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc is not None:
+            end_process(self._proc, timeout_s=10)
         self._proc = None
         shutil.rmtree(self._dir, ignore_errors=True)
 

@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from app.report import read_rows
+from common.processes import end_process
 from tests._serve_helpers import free_port
 
 pytestmark = pytest.mark.slow
@@ -130,11 +131,7 @@ def test_job_submit_serves_and_exports_metrics(tiny_model_dir, tmp_path):
             p.name for p in run_logs.iterdir())
         assert any((run_logs / "ray").glob("worker-*")), "Ray's worker logs are not reachable from RUN_DIR/logs/ray"
     finally:
-        head.terminate()
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            head.kill()
+        end_process(head)
         # `ray start` records its address for later plain `ray.init()` calls; the cluster is gone, so
         # drop the record it left (only if it is ours), or those calls try to join a dead cluster.
         current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"

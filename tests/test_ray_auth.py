@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from common.processes import end_process
 from common.ray_connect import RayConnectError, connect_ray
 from tests._serve_helpers import free_port
 
@@ -96,9 +97,5 @@ def test_readme_fleet_commands_on_a_token_auth_cluster(tiny_model_dir, tmp_path)
         down = _app(["fleet", "down", "--name", "shared"], dict(user, LORA_GRPO_FLEET_TOKEN=token))
         assert down.returncode == 0 and "fleet shared is down" in down.stdout, down.stdout + down.stderr
     finally:
-        head.terminate()
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            head.kill()
+        end_process(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
