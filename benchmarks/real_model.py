@@ -333,6 +333,9 @@ def main(argv=None) -> int:
 
     rec["device"] = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available()
                      else f"cpu ({os.cpu_count()} cores)")
+    from benchmarks._common import stack_versions
+
+    rec["versions"] = stack_versions()
     rec["terms"] = None if args.smoke else TERMS
     rec["error"] = error
     out = Path(args.out)

@@ -14,6 +14,8 @@ import json
 import os
 import time
 
+from benchmarks._common import stack_versions
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
@@ -93,7 +95,8 @@ def main() -> None:
            "quantization": a.quantization,
            "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
            "core_in_process": os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0",
-           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "runs": runs}
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "versions": stack_versions(), "runs": runs}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
 

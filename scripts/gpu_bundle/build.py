@@ -1,10 +1,12 @@
 """Build an offline bundle of the project's GPU stack (`.[gpu]` and the base dependencies) for a target
 machine that has a given Python and torch build but no package access. Run it where PyPI is reachable.
 
-    python scripts/gpu_bundle/build.py --python 3.12 --torch 2.11.0+cu130 --out .gpu/bundle \\
-        --target-has torch,transformers,numpy,triton [--target-freeze FREEZE] [--format site|wheels]
+    python scripts/gpu_bundle/build.py --python 3.12 --torch 2.13.0+cu130 --out .gpu/bundle \\
+        --target-has numpy [--target-freeze FREEZE] [--format site|wheels] [--compression gz|xz|none]
 
---format site (default): the packages installed into one site-packages folder, as a split tar.xz; the
+--torch is the torch the stack runs on. When the target's freeze names another torch, torch itself is
+  bundled, with the CUDA libraries and triton it pins that the target lacks at those versions.
+--format site (default): the packages installed into one site-packages folder, as a split tar.gz; the
   target needs no pip (`. unpack.sh` puts the folder on PYTHONPATH).
 --format wheels: a wheelhouse (split tar) that `. unpack.sh` pip-installs with --no-index --no-deps.
 Output: OUT/p0/part.0 ... OUT/pN/part.N, and beside the last part unpack.sh, parts.py (the verify/unpack
@@ -41,6 +43,8 @@ DEFAULT_EXCLUDE = ("flashinfer-python,flashinfer-cubin,nvidia-cutlass-dsl,nvidia
                    "pynvvideocodec")
 # sdist-only packages, built into a wheel here; DS_BUILD_OPS=0: DeepSpeed compiles its ops on the target.
 DEFAULT_FROM_SOURCE = "deepspeed"
+# Packages built against one torch release: with a bundled torch, the target's copies do not count.
+TORCH_BUILT = frozenset({"torch", "torchvision", "torchaudio", "triton", "liger-kernel"})
 # Set on the target unless already set: the bundle is for machines without network access.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "RAY_USAGE_STATS_ENABLED": "0"}
@@ -57,13 +61,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="output folder (p0/part.0 ...)")
     parser.add_argument("--python", default="3.12", help="the target's Python, X.Y (default 3.12)")
-    parser.add_argument("--torch", default="2.11.0+cu130",
-                        help="the torch build the target has (default 2.11.0+cu130); it is not bundled")
+    parser.add_argument("--torch", default="2.13.0+cu130",
+                        help="the torch build the stack runs on (default 2.13.0+cu130); bundled when the "
+                             "--target-freeze names another torch, else taken as the target's")
     parser.add_argument("--format", choices=("site", "wheels"), default="site")
     parser.add_argument("--part-size", default="50M", help="size of each part (default 50M)")
-    parser.add_argument("--target-has", default="torch,transformers,numpy,triton",
-                        help="comma-separated packages the target has (torch always); left out with what "
-                             "only they need")
+    parser.add_argument("--compression", choices=parts.COMPRESSIONS, default="gz",
+                        help="gz (default: ~1 min per GiB on 2 cores), xz (a little smaller, ~20x slower), none")
+    parser.add_argument("--target-has", default="numpy",
+                        help="comma-separated packages the target has at a version that does (torch too "
+                             "unless the freeze says otherwise); left out with what only they need")
     parser.add_argument("--target-freeze", type=Path,
                         help="`pip list --format=freeze` of the target: what it has at a version that does "
                              "for the bundle is left out too")
@@ -163,9 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
     part_size = parts.parse_size(args.part_size)
-    target_has, exclude = names(args.target_has) | {"torch"}, names(args.exclude)  # --torch is the target's
     freeze = deps.read_pins(args.target_freeze) if args.target_freeze else {}
     torch_version = deps.public_version(args.torch)
+    bundle_torch = "torch" in freeze and deps.public_version(freeze["torch"]) != torch_version
+    target_has, exclude = names(args.target_has), names(args.exclude)
+    if bundle_torch:
+        # The target's torch, and the target's builds of packages compiled against it, cannot serve.
+        target_has -= TORCH_BUILT
+        freeze = {n: v for n, v in freeze.items() if n not in TORCH_BUILT}
+    else:
+        target_has |= {"torch"}
     roots = [*deps.project_requirements(REPO / "pyproject.toml", [e for e in args.extras.split(",") if e]),
              Requirement(f"torch=={torch_version}")]
     env = deps.target_environment(args.python, args.arch)
@@ -218,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"packing {_du(stage) / 2**20:.0f} MiB from {stage}", file=sys.stderr)
         meta = {"format": args.format, "python": args.python, "torch": args.torch, "arch": args.arch,
                 "glibc": args.glibc, "packages": sorted(wanted), "left_out": left_out, "warnings": warnings,
-                "env": OFFLINE_ENV, "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        manifest = parts.pack(stage, args.out, part_size, compression="xz" if args.format == "site" else "none",
-                              meta=meta)
+                "env": OFFLINE_ENV, "bundles_torch": bundle_torch, "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        compression = args.compression if args.format == "site" else "none"
+        manifest = parts.pack(stage, args.out, part_size, compression=compression, meta=meta)
         last = args.out / manifest["parts"][-1]["dir"]
         for name in ("unpack.sh", "parts.py"):
             shutil.copy2(HERE / name, last / name)
