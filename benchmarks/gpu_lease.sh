@@ -14,7 +14,7 @@ mkdir -p /tmp/gpu /tmp/gpout
 for d in .gpu/*/p*; do
   [ -d "$d" ] || continue
   name=$(basename "$(dirname "$d")")
-  mkdir -p "/tmp/gpu/$name" && cp "$d"/* "/tmp/gpu/$name/"
+  mkdir -p "/tmp/gpu/$name" && cp -u "$d"/* "/tmp/gpu/$name/"  # -u: the copy the machine kept stays
 done
 case "${1:-}" in
   part) du -sh /tmp/gpu/* ;;
