@@ -2,7 +2,10 @@
 done, `env.max_turns` is reached, or the next turn would pass `env.max_episode_tokens` (truncated).
 
 - Every turn is sampled under the version pinned when the episode's group started, on the replica that
-  served the previous turn (its KV cache holds the conversation: `generate(..., replica=...)`).
+  served the previous turn (its KV cache holds the conversation: `generate(..., replica=...)`). With
+  rollout.partial a turn is the unit that moves: a turn may move to newer versions while it generates, and
+  the next turn starts under the version the previous one ended under; the episode keeps per-token
+  provenance (`token_versions`, context tokens taking the version of the turn after them).
 - The conversation grows token by token (app/chat_tokens.py): the tokens the trainer gets are exactly the
   ones the engine saw and produced, turn by turn; `mask` is 1 on sampled tokens only.
 - The environment's calls are checked and bounded (app/envs.py); any failure is EnvError, which loses
@@ -17,9 +20,11 @@ from dataclasses import asdict, dataclass, field
 
 from app.chat_tokens import ChatTokens
 from app.envs import EnvError, call, check_messages, check_step
+from common.types import add_segment
 
-# generate(prompt_ids, max_tokens, replica) -> the replica's result dict for one sample
-Generate = Callable[[list[int], int, "str | None"], Awaitable[dict]]
+# generate(prompt_ids, max_tokens, replica[, version]) -> the replica's result dict for one sample; `version`
+# (partial rollouts only): the version the turn starts under
+Generate = Callable[..., Awaitable[dict]]
 
 
 @dataclass
@@ -50,6 +55,22 @@ class Episode:
     turns: list[dict] = field(default_factory=list)  # per turn: what the engine saw and produced
     version: int | None = None
     stats: EpisodeStats = field(default_factory=EpisodeStats)
+    token_versions: list[list[int]] | None = None  # partial rollouts: run-length versions over completion_ids
+    resumed: int = 0
+    regenerated_tokens: int = 0
+    _pending_context: int = 0  # context tokens whose version is the next turn's
+
+    def partial_fields(self) -> dict:
+        """Sample fields of a partial episode ({} otherwise); context after the last turn takes its version."""
+        if self.token_versions is None:
+            return {}
+        segs = [list(seg) for seg in self.token_versions]
+        add_segment(segs, segs[-1][0] if segs else int(self.version or 0), self._pending_context)
+        return {"token_versions": segs, "resumed": self.resumed, "regenerated_tokens": self.regenerated_tokens}
+
+    @property
+    def last_version(self) -> int | None:
+        return int(self.token_versions[-1][0]) if self.token_versions else self.version
 
     @property
     def ids(self) -> list[int]:
@@ -66,6 +87,15 @@ class Episode:
         self.turns.append({"prompt_ids": list(out["prompt_token_ids"]), "token_ids": tokens,
                            "replica_id": out.get("replica_id"), "version": int(out["version"]),
                            "sha256": out.get("sha256"), "finish_reason": out.get("finish_reason")})
+        if "versions" in out:
+            segs = self.token_versions = self.token_versions or []
+            first = int(out["versions"][0][0]) if out["versions"] else int(out["version"])
+            add_segment(segs, first, self._pending_context)
+            self._pending_context = 0
+            for v, n in out["versions"]:
+                add_segment(segs, int(v), int(n))
+            self.resumed += int(out.get("resumed", 0))
+            self.regenerated_tokens += int(out.get("regenerated_tokens", 0))
         self.completion_ids += tokens
         self.mask += [1] * len(tokens)
         self.logprobs += logprobs
@@ -77,6 +107,7 @@ class Episode:
         st.prefix_hits.append(int(out.get("cached_tokens") or 0) / max(1, len(out["prompt_token_ids"])))
 
     def add_context(self, tokens: list[int], observations: list[dict]) -> None:
+        self._pending_context += len(tokens)
         self.completion_ids += tokens
         self.mask += [0] * len(tokens)
         self.logprobs += [0.0] * len(tokens)
@@ -100,11 +131,17 @@ async def run_episode(env, chat: ChatTokens, generate: Generate, *, max_turns: i
                        f"{max_episode_tokens} (env.max_episode_tokens / model.max_model_len)")
     replica = None
     for turn in range(1, max_turns + 1):
-        out = await generate(ep.ids, min(max_tokens_per_turn, max_episode_tokens - len(ep.ids)), replica)
-        if ep.version is not None and int(out["version"]) != ep.version:  # the ingress pins; a bug if not
+        budget = min(max_tokens_per_turn, max_episode_tokens - len(ep.ids))
+        if ep.token_versions is not None:  # partial: on from the version the previous turn ended under
+            out = await generate(ep.ids, budget, replica, ep.last_version)
+        else:
+            out = await generate(ep.ids, budget, replica)
+        partial = "versions" in out  # a partial turn's versions are per token; the episode keeps its first
+        if not partial and ep.version is not None and int(out["version"]) != ep.version:  # the ingress pins
             raise RuntimeError(f"episode turn {turn} sampled under policy-v{out['version']}, "
                                f"the episode under policy-v{ep.version}")
-        ep.version = int(out["version"])
+        if ep.version is None or not partial:
+            ep.version = int(out["version"])
         replica = out.get("replica_id")
         ep.add_turn(out)
         result = check_step(await _env_call(env.step, out["text"], timeout_s=timeout_s, where=f"{name}.step()"),

@@ -162,9 +162,10 @@ class RolloutWorker:
         version = versions.pop()
         samples = [Sample(prompt_ids=list(prompt_ids), completion_ids=list(comp["token_ids"]),
                           behaviour_logprobs=list(comp["logprobs"]), reward=reward, advantage=advantage,
-                          version=version, prompt_id=row["id"], group_id=f"{self.worker_id}-{self.groups_done}")
+                          version=version, prompt_id=row["id"], group_id=f"{self.worker_id}-{self.groups_done}",
+                          **partial_fields(comp))
                    for comp, reward, advantage in zip(comps, rewards, advantages)]
-        return Group(samples=samples, version=version, prompt_id=row["id"], gen_seconds=gen_s,
+        return Group(samples=samples, version=group_version(samples), prompt_id=row["id"], gen_seconds=gen_s,
                      gen_tokens=sum(len(comp["token_ids"]) for comp in comps))
 
     async def rollout_episodes(self, row: dict) -> Group:
@@ -182,8 +183,11 @@ class RolloutWorker:
         if grpo.ignore_eos:
             sampling["ignore_eos"] = True
 
-        async def generate(ids: list[int], max_tokens: int, replica: str | None) -> dict:
-            comps = await self._generate_group(ids, 1, dict(sampling, max_tokens=max_tokens), version, replica)
+        async def generate(ids: list[int], max_tokens: int, replica: str | None,
+                           turn_version: int | None = None) -> dict:
+            # rollout.partial: a turn starts under the version the episode's previous turn ended under
+            comps = await self._generate_group(ids, 1, dict(sampling, max_tokens=max_tokens),
+                                               turn_version or version, replica)
             return comps[0]
 
         t0 = time.perf_counter()
@@ -203,9 +207,9 @@ class RolloutWorker:
         samples = [Sample(prompt_ids=ep.prompt_ids, completion_ids=ep.completion_ids, behaviour_logprobs=ep.logprobs,
                           reward=reward, advantage=advantage, version=ep.version, prompt_id=row["id"],
                           group_id=f"{self.worker_id}-{self.groups_done}", completion_mask=ep.mask,
-                          episode=ep.stats.to_dict())
+                          episode=ep.stats.to_dict(), **ep.partial_fields())
                    for ep, reward, advantage in zip(episodes, rewards, advantages)]
-        return Group(samples=samples, version=episodes[0].version, prompt_id=row["id"], gen_seconds=gen_s,
+        return Group(samples=samples, version=group_version(samples), prompt_id=row["id"], gen_seconds=gen_s,
                      gen_tokens=sum(ep.stats.sampled_tokens for ep in episodes))
 
     async def _generate_group(self, prompt_ids: list[int], n: int, sampling: dict, version: int | None = None,
@@ -217,6 +221,8 @@ class RolloutWorker:
 
         async def attempt() -> list[dict]:
             session = {"replica": replica} if replica is not None else {}
+            if self.cfg.rollout.partial:
+                session["partial"] = self.cfg.rollout.partial_policy
             return await self._ingress_handle().generate_group.remote(prompt_ids, n, version, sampling,
                                                                       drop_if_expired=True, **session)
 
@@ -253,11 +259,13 @@ class RolloutWorker:
         which must stay 0) and the group is refused: its samples would train on a wrong behaviour policy."""
         bad = []
         for comp in comps:
-            version = int(comp["version"])
-            if not await self._published_digest(version):
-                continue
-            if comp.get("sha256") != self._published_sha[version]:
-                bad.append((version, comp.get("replica_id"), comp.get("sha256")))
+            # a partial rollout's every version (`version_sha256`), else the one it names
+            served = comp.get("version_sha256") or {str(comp["version"]): comp.get("sha256")}
+            for version, sha in ((int(v), sha) for v, sha in served.items()):
+                if not await self._published_digest(version):
+                    continue
+                if sha != self._published_sha[version]:
+                    bad.append((version, comp.get("replica_id"), sha))
         self.version_mismatches += len(bad)
         if bad or not self._mismatches_reported:  # the first report makes the 0 visible
             self._count("version_mismatches", len(bad))
@@ -336,6 +344,21 @@ class RolloutWorker:
             if self.metrics is not None:
                 self.metrics.log_rollout.remote(group.gen_tokens, group.gen_seconds,
                                                 sum(group.rewards) / len(group.samples), row.get("task"))
+
+
+def partial_fields(comp: dict) -> dict:
+    """A completion's provenance (rollout.partial) as Sample fields; {} for a request that did not run partial."""
+    if "versions" not in comp:
+        return {}
+    return {"token_versions": [[int(v), int(n)] for v, n in comp["versions"]], "resumed": int(comp.get("resumed", 0)),
+            "regenerated_tokens": int(comp.get("regenerated_tokens", 0))}
+
+
+def group_version(samples: list[Sample]) -> int:
+    """The version the buffer judges a group by: the oldest version its samples were last continued under (the
+    samples' common version when none was continued). Judging by the oldest token would drop exactly the samples
+    partial rollouts keep; the trainer's per-token importance ratios correct their older tokens."""
+    return min(s.last_version for s in samples)
 
 
 def start_workers(cfg: Config) -> list:

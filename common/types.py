@@ -63,6 +63,16 @@ def lora_int_id(version: int) -> int:
     return int(version)
 
 
+def add_segment(segments: list[list[int]], version: int, n: int) -> None:
+    """Run-length token provenance ([[version, n_tokens], ...]): `n` more tokens sampled under `version`."""
+    if n <= 0:
+        return
+    if segments and segments[-1][0] == version:
+        segments[-1][1] += n
+    else:
+        segments.append([int(version), int(n)])
+
+
 @dataclass
 class Sample:
     """One scored completion, ready for the GRPO loss. A multi-turn episode is one Sample too: its
@@ -80,6 +90,32 @@ class Sample:
     group_id: str = ""
     completion_mask: list[int] | None = None  # None: every completion token was sampled (single-turn)
     episode: dict | None = None  # multi-turn only: app/episodes.EpisodeStats as a dict
+    # rollout.partial: which version sampled each completion token, run-length [[version, n_tokens], ...] summing
+    # to len(completion_ids) (a multi-turn episode's context tokens take the version of the turn after them).
+    # None: every token is `version`'s.
+    token_versions: list[list[int]] | None = None
+    resumed: int = 0  # times the engine request moved to a newer version mid-completion
+    regenerated_tokens: int = 0  # prompt + kept tokens those moves had to prefill again
+
+    @property
+    def last_version(self) -> int:
+        """The version the sample was last continued under (its newest token's)."""
+        return int(self.token_versions[-1][0]) if self.token_versions else self.version
+
+    @property
+    def oldest_version(self) -> int:
+        """The version of its oldest token."""
+        return min(int(v) for v, _ in self.token_versions) if self.token_versions else self.version
+
+    @property
+    def n_versions(self) -> int:
+        return len({int(v) for v, _ in self.token_versions}) if self.token_versions else 1
+
+    def per_token_versions(self) -> list[int]:
+        """One version per completion token."""
+        if not self.token_versions:
+            return [self.version] * len(self.completion_ids)
+        return [int(v) for v, n in self.token_versions for _ in range(int(n))]
 
     @property
     def sampled_tokens(self) -> int:
@@ -89,7 +125,9 @@ class Sample:
 
 @dataclass
 class Group:
-    """G samples of one prompt, scored and with group-relative advantages."""
+    """G samples of one prompt, scored and with group-relative advantages. `version`: the one the buffer's
+    staleness rule judges, the samples' common version, or with rollout.partial the oldest version any of them
+    was last continued under (docs/ARCHITECTURE.md, "Partial rollouts")."""
 
     samples: list[Sample]
     version: int
@@ -97,6 +135,11 @@ class Group:
     gen_seconds: float = 0.0
     gen_tokens: int = 0
     epoch: int = 0  # the data epoch its prompt was handed out in (common/data_cursor.py)
+
+    @property
+    def oldest_version(self) -> int:
+        """The version of the oldest token of any of its samples (what staleness metrics report)."""
+        return min((s.oldest_version for s in self.samples), default=self.version)
 
     @property
     def rewards(self) -> list[float]:

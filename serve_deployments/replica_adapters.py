@@ -17,6 +17,7 @@ from common.adapter_io import AdapterError, unpack_tensors
 from common.types import adapter_name, check_run_name, policy_name
 from serve_deployments.adapter_slots import AdapterKey, AdapterSlots
 from serve_deployments.engine_weights import AdapterTransport, MergedTransport, ReplicaError, payload_kind
+from serve_deployments.partial_rollouts import PartialTable
 from serve_deployments.replica_registries import RunRegistries, root_message
 
 log = logging.getLogger("ray.serve")
@@ -60,6 +61,7 @@ class ReplicaAdapters:
         self.expired: set[AdapterKey] = set()  # versions the registry trimmed: rollout requests refused/aborted
         self._droppable: dict[AdapterKey, set] = {}  # adapter -> running rollout requests (drop_if_expired)
         self.aborted_expired = 0
+        self.partial = PartialTable()  # running partial rollout requests (rollout.partial): moved, not aborted
         self.rejected: dict[AdapterKey, str] = {}  # live versions whose payload failed verification at start
 
     @property
@@ -147,6 +149,7 @@ class ReplicaAdapters:
         self._leaving.add(run)
         try:
             aborted = self.expire(sorted({k.version for k in self._droppable if k.run == run}), run)
+            aborted += self.partial.cancel_run(run)
             deadline = time.monotonic() + timeout_s
             unloaded = None
             while unloaded is None:
@@ -199,6 +202,8 @@ class ReplicaAdapters:
             raise ReplicaError(f"{name} rejected: merged weights cannot be served on a fleet (they would replace "
                                "the base model every run shares)", 422)
         out = await self.transport.load(version, tensors, meta, run, packed)
+        # The one place a version of a run goes live here: partial rollouts (policy `all`) move to it.
+        self.partial.newer_loaded(version, run)
         return {"version": version, "run": run, "name": name, "loaded": True, "already": False,
                 "replica_id": self.replica_id, "evicted": out["evicted"], "seconds": time.perf_counter() - t0,
                 "fetch_seconds": fetched, **{k: out[k] for k in ("add_lora_ms", "verify_ms", "evict_ms", "write_ms")}}
@@ -272,6 +277,16 @@ class ReplicaAdapters:
         finally:
             self.slots.release(version, run)
 
+    def newest(self, run: str = "") -> int | None:
+        """The newest version of run `run` this replica serves to rollouts now (loaded, neither expired nor
+        being unloaded nor rejected); None when it has none. Where a partial rollout continues."""
+        bad = self.expired | self._draining | set(self.rejected)
+        ok = [v for v in self.slots.versions(run) if AdapterKey(run, v) not in bad]
+        return max(ok) if ok else None
+
+    def is_expired(self, version: int, run: str = "") -> bool:
+        return AdapterKey(run, version) in self.expired
+
     def check_expired(self, version: int, run: str = "") -> None:
         """VersionExpiredError when a rollout request (`drop_if_expired`) names an expired version."""
         if AdapterKey(run, version) in self.expired:
@@ -289,9 +304,11 @@ class ReplicaAdapters:
             self._droppable.pop(key, None)
 
     def expire(self, versions: list[int], run: str = "") -> int:
-        """replica.py's `expire`: returns the number of rollout requests cancelled."""
+        """replica.py's `expire`: returns the number of rollout requests cancelled (partial ones move to the
+        run's newest version instead, and are not counted)."""
         run = check_run(run)
         self.registries.changed(run)
+        self.partial.expired(versions, run)
         n = 0
         for v in map(int, versions):
             key = AdapterKey(run, v)

@@ -4,6 +4,12 @@ The engine hands back only the final output (FINAL_ONLY) and, without stop strin
 per token: at a few hundred sequences in flight the per-token output objects and incremental
 detokenization in this process cost more than a decode step on a GPU, and everything else on this event
 loop (adapter loads) waits behind them. The text is decoded once at the end.
+
+A partial request (`req["partial"]`: "at_limit" | "all", rollout.partial) runs as segments that move to a
+newer version of its run mid-generation (partial_rollouts.py). Aborting a FINAL_ONLY request in vLLM 0.32
+(`AsyncLLM.abort`) makes its output processor put one last output in the request's queue, finish_reason
+"abort", with every token id and sampled-token logprob produced so far (output_processor.abort_requests ->
+make_request_output(finish_reason=ABORT)): the tokens so far cost nothing per token, and FINAL_ONLY stays.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import asyncio
 import uuid
 
 from serve_deployments.engine_weights import ReplicaError
+from serve_deployments.partial_rollouts import PARTIAL_POLICIES, Segment, add_segment
 from serve_deployments.replica_adapters import ReplicaAdapters, VersionExpiredError, check_run
 
 # SamplingParams fields generate() passes through besides max_tokens/temperature/top_p/seed/logprobs.
@@ -25,6 +32,11 @@ class _RunCancelled(Exception):
 def _retrieve(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()  # consumed: a run abandoned by its caller logs no "never retrieved" error
+
+
+def _logprobs(c) -> list[float]:
+    """The sampled tokens' logprobs of a CompletionOutput (logprobs=0: the sampled token's alone)."""
+    return [float(lp[t].logprob) for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else []
 
 
 def check_seed(seed, on_cpu: bool) -> None:
@@ -60,6 +72,8 @@ class RolloutPath:
         prompt_ids = list(req["prompt_token_ids"])
         # Callers may reuse an id (retries, G samples of one prompt); vLLM requires unique ones.
         request_id = f"{req.get('request_id') or 'gen'}-{uuid.uuid4().hex[:12]}"
+        if req.get("partial"):
+            return await self._partial(req, version, run, s, detokenize, prompt_ids, request_id)
         droppable = bool(req.get("drop_if_expired"))
         if droppable:
             self.adapters.check_expired(version, run)
@@ -82,12 +96,106 @@ class RolloutPath:
         if final is None or not final.outputs:
             raise ReplicaError(f"request {request_id} produced no output (aborted)", 503)
         c = final.outputs[0]
-        logprobs = [float(lp[t].logprob) for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else []
+        logprobs = _logprobs(c)
         text = c.text if detokenize else self._decode(c.token_ids)
         return {"token_ids": list(c.token_ids), "logprobs": logprobs, "text": text,
                 "finish_reason": c.finish_reason, "version": version, "run": run, "prompt_token_ids": prompt_ids,
                 "replica_id": self.replica_id, "sha256": self.adapters.served_sha(version, run),
                 "cached_tokens": int(final.num_cached_tokens or 0)}
+
+    async def _partial(self, req: dict, version: int, run: str, s: dict, detokenize: bool, prompt_ids: list[int],
+                       request_id: str) -> dict:
+        """A partial rollout request (module docstring): segments under ever newer versions of the run until
+        the completion finishes. The answer is `generate`'s plus `versions` ([[version, n_tokens], ...] over
+        token_ids), `resumed` (continuations) and `regenerated_tokens` (prompt + kept tokens the continuations
+        prefilled again: their prompt lengths minus the tokens the engine found cached); `version` stays the
+        one it started under."""
+        policy = str(req["partial"])
+        if policy not in PARTIAL_POLICIES:
+            raise ReplicaError(f"partial: {policy!r} is not one of {', '.join(PARTIAL_POLICIES)}", 400)
+        max_tokens, min_tokens = int(s.get("max_tokens", 16)), int(s.get("min_tokens") or 0)
+        current = version
+        if self.adapters.is_expired(version, run):  # a later turn of an episode whose version expired meanwhile
+            current = self._next(version, run)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        segments: list[list[int]] = []
+        resumed = regenerated = cached = 0
+        text_parts: list[str] = []
+        while True:
+            seg_s = dict(s, max_tokens=max_tokens - len(tokens))
+            if min_tokens:
+                seg_s["min_tokens"] = max(0, min_tokens - len(tokens))
+            params = sampling_params(seg_s, detokenize)
+            seg = Segment(run, current, policy)
+            ids = prompt_ids + tokens  # token ids, never text: what the engine produced, exactly
+            async with self.adapters.hold(current, run) as lora:
+                self.adapters.partial.add(seg)
+                try:
+                    final = await self._segment(ids, params, f"{request_id}-s{resumed}", lora, seg)
+                finally:
+                    self.adapters.partial.discard(seg)
+            c = final.outputs[0] if final is not None and final.outputs else None
+            new = list(c.token_ids) if c is not None else []
+            new_lp = _logprobs(c) if c is not None else []
+            if len(new_lp) != len(new):
+                raise ReplicaError(f"request {request_id}: {len(new)} tokens but {len(new_lp)} logprobs", 500)
+            if final is not None:
+                n_cached = int(final.num_cached_tokens or 0)
+                if resumed:
+                    regenerated += max(0, len(ids) - n_cached)
+                else:
+                    cached = n_cached
+            tokens += new
+            logprobs += new_lp
+            add_segment(segments, current, len(new))
+            if detokenize and c is not None:
+                text_parts.append(c.text)
+            finish = c.finish_reason if c is not None else "abort"
+            if finish != "abort" or len(tokens) >= max_tokens:
+                finish = finish if finish != "abort" else "length"
+                break
+            if seg.cancelled or not seg.move.is_set():  # the run left, or an abort that was not ours
+                raise VersionExpiredError(current, run=run)
+            current = self._next(current, run)
+            resumed += 1
+        text = "".join(text_parts) if detokenize else self._decode(tokens)
+        return {"token_ids": tokens, "logprobs": logprobs, "text": text, "finish_reason": finish,
+                "version": version, "run": run, "prompt_token_ids": prompt_ids, "replica_id": self.replica_id,
+                "sha256": self.adapters.served_sha(version, run), "cached_tokens": cached,
+                "versions": segments, "resumed": resumed, "regenerated_tokens": regenerated,
+                "version_sha256": {str(v): self.adapters.served_sha(v, run) for v, _ in segments}}
+
+    def _next(self, current: int, run: str) -> int:
+        """The version a moved segment continues under: the run's newest here. None newer and `current`
+        expired: VersionExpiredError, as for a whole request (its samples could only be dropped)."""
+        newest = self.adapters.newest(run)
+        if newest is not None and newest > current:
+            return newest
+        if self.adapters.is_expired(current, run):
+            raise VersionExpiredError(current, run=run)
+        return current  # moved by `all` but the newer version left again: go on where it was
+
+    async def _segment(self, ids, params, request_id, lora, seg: Segment):
+        """One engine request of a partial rollout; aborted when `seg` is told to move. Returns vLLM's final
+        output (finish_reason "abort" with the tokens so far when moved), None when moved before it began."""
+        if seg.move.is_set():
+            return None
+        run = asyncio.ensure_future(self._final_output(ids, params, request_id, lora))
+        move = asyncio.ensure_future(seg.move.wait())
+        try:
+            done, _ = await asyncio.wait({run, move}, return_when=asyncio.FIRST_COMPLETED)
+            if run not in done:
+                # The abort output carries the tokens so far. A request the engine had not taken in yet when the
+                # abort came runs to its end: the sample then just finishes under this version.
+                await self.engine.abort(request_id)
+            return await run
+        except asyncio.CancelledError:  # the caller went away: vLLM aborts the request with its generator
+            run.cancel()
+            run.add_done_callback(_retrieve)
+            raise
+        finally:
+            move.cancel()
 
     async def generate_n(self, req: dict, n: int) -> list[dict]:
         """replica.py's `generate_n`."""

@@ -11,6 +11,9 @@
   raised on purpose (a `status_code`: bad request, version expired) is raised at once.
 - `drop_if_expired`: the group fails with VersionExpiredError as soon as its version expires, and at once
   when it names a version already trimmed from the live window (a later turn of a long episode).
+- `partial` ("at_limit" | "all", rollout.partial): each sample may move to a newer version of the run while
+  it generates (partial_rollouts.py); the group still pins its starting version, and one already trimmed
+  from the live window (a later turn of a long episode) starts under the newest instead of failing.
 - The samples count against the in-flight limit but are never refused by it (admission.py).
 - On a fleet, `run` names the attached run whose versions the group uses, and groups are admitted by
   weighted fair queuing between the runs (fair_queue.py) before any sample starts.
@@ -54,7 +57,7 @@ class RolloutGroups:
 
     async def generate_group(self, prompt_token_ids: list[int], n: int, version: int | None = None,
                              sampling: dict | None = None, drop_if_expired: bool = False,
-                             replica: str | None = None, run: str = "") -> list[dict]:
+                             replica: str | None = None, run: str = "", partial: str | None = None) -> list[dict]:
         """n samples of one prompt (module docstring). Each result names its version, the sha256 of the
         adapter that produced it, its replica and the prompt tokens the engine found cached. `replica`:
         a multi-turn episode's session, the replica that served its previous turn (its KV cache holds the
@@ -72,6 +75,8 @@ class RolloutGroups:
             turn = await self._fair.acquire(run, n, int((sampling or {}).get("max_tokens", 16)))
         try:
             live = await versions.live()
+            if partial and version is not None and live and 0 < version < min(live):
+                version = None  # trimmed: a partial turn starts under the newest (its samples say so per token)
             if drop_if_expired and version is not None and live and 0 < version < min(live):
                 # Trimmed from the live window while its rollout ran (a multi-turn episode's later turn): too
                 # stale to train on, so gone (410), and the worker starts the group over under the newest.
@@ -85,6 +90,8 @@ class RolloutGroups:
                 key = dict(key, replica=str(replica))
             req = {"prompt_token_ids": ids, "version": pinned, "sampling": dict(sampling or {}),
                    "drop_if_expired": bool(drop_if_expired)}
+            if partial:
+                req["partial"] = str(partial)
             if run:
                 req["run"] = run
             release = self._admission.take(n)

@@ -26,6 +26,7 @@ from common.config.choices import (  # noqa: F401
     LossAgg,
     LrSchedule,
     MpsPriority,
+    PartialPolicy,
     ProxyLocation,
     RewardPlace,
     RouterPolicy,

@@ -28,6 +28,8 @@ VLLM_LORA_RANKS: tuple[int, ...] = typing.get_args(LoraRank)
 RouterPolicy = Literal["prefix", "round_robin", "serve_default"]
 ROUTING_POLICIES: tuple[str, ...] = typing.get_args(RouterPolicy)
 SyncMode = Literal["adapter", "merge"]
+# rollout.partial_policy: which partial rollouts move to a newer version (serve_deployments/partial_rollouts.py)
+PartialPolicy = Literal["at_limit", "all"]
 RunMode = Literal["async", "sync"]
 ProxyLocation = Literal["EveryNode", "HeadOnly", "Disabled"]  # ray.serve.config.ProxyLocation
 # run.loggers entries -> (modules, any one of which will do; the pip extra that installs them). See app/loggers.py.

@@ -3,7 +3,7 @@ routed among the replicas."""
 from __future__ import annotations
 
 from common.config.base import Section, broken, option
-from common.config.choices import LoraRank, ProxyLocation, RouterPolicy, words
+from common.config.choices import LoraRank, PartialPolicy, ProxyLocation, RouterPolicy, words
 
 
 class RolloutConfig(Section):
@@ -24,6 +24,16 @@ class RolloutConfig(Section):
            "train.max_restarts.", ge=0)
     groups_per_worker: int = option(1, "Groups each rollout worker samples concurrently (workers x this = groups in "
                                        "flight; enough to fill the engines' batches on GPU).", ge=1)
+    partial: bool = option(
+        False, "Partial rollouts (async runs, sync.mode adapter): a sample in flight when a newer version goes live "
+               "moves to it mid-completion (the engine request is aborted and continued from prompt + the tokens so "
+               "far, token-exact, on the same replica) instead of finishing under an old version or being dropped "
+               "as too stale; each token keeps its version and behaviour logprob (docs/ARCHITECTURE.md, \"Partial "
+               "rollouts\").")
+    partial_policy: PartialPolicy = option(
+        "at_limit", "With rollout.partial: at_limit moves the samples whose version leaves the live window (those "
+                    "that would otherwise be aborted as too stale); all moves every sample under an older version "
+                    "as soon as a newer one is loaded.")
     http_port: int = option(8000, "Serve HTTP port of the OpenAI-compatible ingress.", ge=1, le=65535)
     proxy_location: ProxyLocation = option(
         "EveryNode", "Where Serve runs its HTTP proxies: EveryNode (each node answers on http_port), HeadOnly "

@@ -67,6 +67,12 @@ def cross_section_problems(cfg: Config) -> list[str]:
         (cfg.run.fleet is None or cfg.sync.mode == "adapter",
          "sync.mode: a run on a fleet (run.fleet) must use adapter mode; merge mode replaces the base model that "
          "every run of the fleet shares"),
+        (not rollout.partial or cfg.run.mode == "async",
+         "rollout.partial: a sync run generates each batch under one version with none published meanwhile, so "
+         "nothing would move; use run.mode async or set rollout.partial false"),
+        (not rollout.partial or cfg.sync.mode == "adapter",
+         "rollout.partial: sync.mode merge replaces the engines' base weights, which a continued sample cannot "
+         "move across; use sync.mode adapter"),
         (cfg.eval.path not in ("builtin:letters-heldout", "builtin:letter-hunt-heldout")
          or cfg.data.builtin_size <= 4096,
          f"eval.path: builtin:letters-heldout is disjoint from the first 4096 builtin:letters prompts only; "

@@ -1,0 +1,83 @@
+"""Partial rollouts on the replica (`rollout.partial`; docs/ARCHITECTURE.md, "Partial rollouts"): a rollout
+request that moves to a newer version of its run while it generates, instead of finishing under (or being
+dropped with) the version it started with.
+
+A partial request runs as segments, one engine request each. The table below knows every running segment by
+run; two events move them:
+- a newer version of the run is loaded on this replica (`newer_loaded`, from the adapter-load path): with
+  policy `all`, every segment of the run under an older version moves;
+- the run's registry expires versions (`expired`, from `expire`): segments under them move, whatever the
+  policy. That is policy `at_limit`'s one trigger: the registry alone knows the live window (max_staleness),
+  so the replica does not guess which version the next load will push out; the move comes one `expire`
+  call after the load, and exactly the requests that would otherwise get VersionExpiredError move.
+Moving = the generate coroutine aborts its engine request, keeps the tokens and logprobs vLLM hands back
+with the abort (finish_reason "abort"), and submits prompt + those token ids under the newest version of the
+run this replica serves (replica_rollout.py). `forget_run` cancels instead (`cancel_run`): the run left.
+"""
+from __future__ import annotations
+
+import asyncio
+import typing
+
+from common.config.choices import PartialPolicy
+from common.types import add_segment  # noqa: F401  (replica_rollout.py imports it from here)
+
+PARTIAL_POLICIES: tuple[str, ...] = typing.get_args(PartialPolicy)
+
+
+class Segment:
+    """One partial request's running engine request: its run, version and policy, and the signal to move."""
+
+    __slots__ = ("run", "version", "policy", "move", "cancelled")
+
+    def __init__(self, run: str, version: int, policy: str):
+        self.run, self.version, self.policy = run, int(version), policy
+        self.move = asyncio.Event()
+        self.cancelled = False  # the run left: abort, do not continue
+
+
+class PartialTable:
+    """The running segments of partial requests, by run."""
+
+    def __init__(self):
+        self._by_run: dict[str, set[Segment]] = {}
+        self.moved = 0  # segments signalled to move (replica stats)
+
+    def add(self, seg: Segment) -> None:
+        self._by_run.setdefault(seg.run, set()).add(seg)
+
+    def discard(self, seg: Segment) -> None:
+        segs = self._by_run.get(seg.run)
+        if segs is not None:
+            segs.discard(seg)
+            if not segs:
+                self._by_run.pop(seg.run, None)
+
+    def _signal(self, segs) -> int:
+        n = 0
+        for seg in segs:
+            if not seg.move.is_set():
+                seg.move.set()
+                n += 1
+        self.moved += n
+        return n
+
+    def newer_loaded(self, version: int, run: str = "") -> int:
+        """Run `run`'s `version` was loaded here: policy-`all` segments under older versions move."""
+        return self._signal([s for s in self._by_run.get(run, ()) if s.policy == "all" and s.version < version])
+
+    def expired(self, versions, run: str = "") -> int:
+        """The registry expired these versions of `run`: their segments move (every policy)."""
+        gone = {int(v) for v in versions}
+        return self._signal([s for s in self._by_run.get(run, ()) if s.version in gone])
+
+    def cancel_run(self, run: str) -> int:
+        """The run leaves the replica: its partial requests end (VersionExpiredError), none continues."""
+        segs = list(self._by_run.get(run, ()))
+        for seg in segs:
+            seg.cancelled = True
+            seg.move.set()
+        return len(segs)
+
+    def running(self, run: str | None = None) -> int:
+        return sum(len(s) for r, s in self._by_run.items() if run is None or r == run)
