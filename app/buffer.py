@@ -13,7 +13,9 @@ would sample the previous version and be born one version staler, which on GPU r
 completions sent half the batches past `max_staleness` (dropped) while the trainer waited.
 
 The trainer's rank 0 calls `get_batch(trainer_version, n_groups)`: groups older than
-`trainer_version - max_staleness` are dropped and counted; the oldest acceptable groups go first.
+`trainer_version - max_staleness` are dropped and counted; the oldest acceptable groups go first. A group's
+version for this rule is `Group.version`: with rollout.partial the oldest version its samples were last
+continued under, not the one they started with (docs/ARCHITECTURE.md, "Partial rollouts").
 
 Slots per worker: every caller passes its `worker_id` to `acquire` / `release` / `put`, and the buffer
 tracks its granted-but-not-put slots; `reset_worker(worker_id)` (what a restarted worker calls first)
@@ -203,12 +205,16 @@ class RolloutBuffer:
             for group in groups:
                 self.source.take(group.epoch, group.prompt_id)
             self._cond.notify_all()
-        versions = [group.version for group in groups]
+        # Staleness is reported by each group's oldest token (with rollout.partial older than the version the drop
+        # rule judged, `group.version`, which staleness_accept_max reports); without it the two are one.
+        oldest = [group.oldest_version for group in groups]
         return {
             "groups": groups,
             "wait_seconds": time.perf_counter() - t0,
-            "staleness_mean": sum(trainer_version - v for v in versions) / len(versions),
-            "staleness_max": max(trainer_version - v for v in versions),
+            "staleness_mean": sum(trainer_version - v for v in oldest) / len(oldest),
+            "staleness_max": max(trainer_version - v for v in oldest),
+            "staleness_oldest_max": max(trainer_version - v for v in oldest),
+            "staleness_accept_max": max(trainer_version - group.version for group in groups),
             "dropped_samples": self.dropped_samples,
             "filtered": filtered,
         }

@@ -178,7 +178,7 @@ class GRPOWorker:
                "learn_seconds": t2 - t1, "train_tokens_per_s": stats["seq_tokens"] / max(t2 - t1, 1e-9),
                "staleness_mean": batch.staleness_mean, "staleness_max": batch.staleness_max,
                "dropped_samples": batch.dropped_samples, "reward_mean": reward_mean, "reward_std": reward_std,
-               **batch.episode_stats(), **prompts}
+               **batch.episode_stats(), **batch.partial_stats(), **prompts}
         if self.device.type == "cuda":
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.report(step, row)

