@@ -165,7 +165,7 @@ def test_buffer_judges_a_continued_group_by_its_last_version_and_reports_the_old
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         rows = [{"id": str(i), "prompt": "p"} for i in range(4)]
-        buf = RolloutBuffer.remote(max_staleness=1, groups_per_step=1, rows=rows)
+        buf = RolloutBuffer.remote(max_staleness=1, groups_per_step=4, rows=rows)
         grants = [ray.get(buf.acquire.remote(0)) for _ in range(3)]
         continued = _group([[[1, 3], [3, 5]], [[1, 8]], [[1, 2], [4, 6]]], 1, grants[0]["row"]["id"])
         assert continued.version == 1  # a sample not continued: the group is as old as its v1 sample
