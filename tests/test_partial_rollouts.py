@@ -216,3 +216,20 @@ def test_train_run_with_partial_rollouts(tmp_path, tiny_model_dir):
     assert sum(r.get("partial_resumed", 0) for r in rows) > 0, [r.get("partial_resumed") for r in rows]
     assert rows[-1]["dropped_samples"] == 0 and rows[-1].get("rollout_expired_groups", 0) == 0
     assert all("versions_per_sample_mean" in r and "tokens_regenerated" in r for r in rows)
+
+
+def test_episode_concatenates_turn_segments_and_context_takes_the_next_turns_version():
+    from app.episodes import Episode
+
+    ep = Episode(prompt_ids=[1, 2])
+    turn = {"prompt_token_ids": [1, 2], "text": "x", "version": 1, "finish_reason": "length"}
+    ep.add_turn(dict(turn, token_ids=[5, 6, 7], logprobs=[-1.0, -2.0, -3.0], versions=[[1, 1], [2, 2]], resumed=1,
+                     regenerated_tokens=3))
+    ep.add_context([8, 9], [{"role": "user", "content": "more"}])
+    ep.add_turn(dict(turn, token_ids=[10, 11], logprobs=[-4.0, -5.0], version=2, versions=[[3, 2]]))
+    fields = ep.partial_fields()
+    assert fields == {"token_versions": [[1, 1], [2, 2], [3, 4]], "resumed": 1, "regenerated_tokens": 3}
+    assert ep.logprobs == [-1.0, -2.0, -3.0, 0.0, 0.0, -4.0, -5.0] and ep.mask == [1, 1, 1, 0, 0, 1, 1]
+    assert ep.last_version == 3
+    sample = Sample([1, 2], ep.completion_ids, ep.logprobs, 0.0, 0.0, 1, completion_mask=ep.mask, **fields)
+    assert sample.per_token_versions() == [1, 2, 2, 3, 3, 3, 3] and sample.last_version == 3
