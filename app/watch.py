@@ -128,6 +128,9 @@ class Progress:
                   f"dropped {row.get('dropped_samples', 0)}",
                   f"gen {sum(tps) / len(tps):.0f} tok/s" if tps else "gen - tok/s",
                   f"sync {1e3 * sorted(pub)[len(pub) // 2]:.0f} ms" if pub else "sync -"]
+        if "partial_resumed" in row:  # rollout.partial
+            moved = sum(x.get("partial_resumed", 0) for x in last)
+            parts.append(f"moved {moved} ({row['versions_per_sample_mean']:.2f} versions/sample)")
         if "episode_turns_mean" in row:  # multi-turn runs
             hits = " ".join(f"{row[k]:.2f}" for k in sorted(k for k in row if k.startswith("prefix_hit_turn")))
             parts.append(f"turns {row['episode_turns_mean']:.2f} (truncated {row['episode_truncated']}) "
