@@ -75,11 +75,16 @@ class _Fleet:
         return worst
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def fleet(tiny_model_dir):
+    """Class-scoped: the engine is shut down before the `app train` run below, which needs the 2 cores."""
     f = _Fleet(tiny_model_dir)
     yield f
+    import gc
+
     f.replica.engine.shutdown()
+    f.replica = None
+    gc.collect()  # AsyncLLM.__del__ now, not at interpreter teardown (where it prints a TypeError)
     f.loop.close()
 
 
@@ -88,62 +93,65 @@ async def _until_generating(replica, seconds: float = 0.4):
     await asyncio.sleep(seconds)
 
 
-def test_policy_all_moves_to_the_newer_version_token_exact(fleet):
-    async def main():
-        r = fleet.replica
-        whole = await r.generate(fleet.req("a", 1))  # baseline: a whole request, no move
-        task = asyncio.ensure_future(r.generate(fleet.req("a", 1, partial="all")))
-        await _until_generating(r)
-        fleet.publish("a", 2)
-        await r.load_adapter(2, "a")
-        return whole, await task
+class TestOneFleetReplica:
+    """In order, on one engine."""
 
-    whole, out = fleet.run(main())
-    assert "versions" not in whole and len(whole["token_ids"]) == 200
-    assert fleet.check_logprobs("a", {**whole, "versions": [[1, 200]]}) <= TOL
-    assert out["version"] == 1 and out["resumed"] == 1 and out["finish_reason"] == "length"
-    (v1, n1), (v2, n2) = out["versions"]
-    assert (v1, v2) == (1, 2) and n1 > 0 and n2 > 0 and n1 + n2 == len(out["token_ids"]) == 200, out["versions"]
-    assert len(out["logprobs"]) == 200
-    # Token-exact: the v2 tokens' logprobs are those of v2 given prompt + exactly the v1 tokens, and vice versa.
-    assert fleet.check_logprobs("a", out) <= TOL
-    # The other version would not score them so: the check above can fail.
-    wrong = peft_logprobs_of(fleet.model_dir, *fleet.payloads[("a", 1)], fleet.prompt + out["token_ids"][:n1],
-                             out["token_ids"][n1:])
-    assert max(abs(a - b) for a, b in zip(out["logprobs"][n1:], wrong)) > 1e-3
-    assert out["regenerated_tokens"] > 0 and out["regenerated_tokens"] <= len(fleet.prompt) + n1
-    assert out["version_sha256"] == {"1": fleet.replica.adapters.served_sha(1, "a"),
-                                     "2": fleet.replica.adapters.served_sha(2, "a")}
+    def test_policy_all_moves_to_the_newer_version_token_exact(self, fleet):
+        async def main():
+            r = fleet.replica
+            whole = await r.generate(fleet.req("a", 1))  # baseline: a whole request, no move
+            task = asyncio.ensure_future(r.generate(fleet.req("a", 1, partial="all")))
+            await _until_generating(r)
+            fleet.publish("a", 2)
+            await r.load_adapter(2, "a")
+            return whole, await task
 
-
-def test_at_limit_moves_on_expire_and_only_within_its_run(fleet):
-    async def main():
-        r = fleet.replica
-        a_task = asyncio.ensure_future(r.generate(fleet.req("a", 2, partial="at_limit")))
-        b_task = asyncio.ensure_future(r.generate(fleet.req("b", 1, partial="all")))
-        plain = asyncio.ensure_future(r.generate(fleet.req("a", 2)))  # not partial: expire aborts it
-        await _until_generating(r)
-        fleet.publish("a", 3)
-        await r.load_adapter(3, "a")  # at_limit: a newer version alone does not move a/v2; b's run is not a's
-        await asyncio.sleep(0.1)
-        assert r.adapters.partial.running("a") == 1 and r.adapters.partial.running("b") == 1
-        aborted = await r.expire([2], "a")  # the registry trimmed a/v2: the partial one moves, the plain one ends
-        return aborted, await a_task, await b_task, await asyncio.gather(plain, return_exceptions=True)
-
-    from serve_deployments.replica import VersionExpiredError
-
-    aborted, a_out, b_out, (plain,) = fleet.run(main())
-    assert aborted == 1 and isinstance(plain, VersionExpiredError)
-    assert [v for v, _ in a_out["versions"]] == [2, 3] and a_out["resumed"] == 1
-    assert fleet.check_logprobs("a", a_out) <= TOL
-    # run b has only policy-v1: a/policy-v3 going live moves nothing of b's
-    assert b_out["versions"] == [[1, 200]] and b_out["resumed"] == 0 and b_out["run"] == "b"
+        whole, out = fleet.run(main())
+        assert "versions" not in whole and len(whole["token_ids"]) == 200
+        assert fleet.check_logprobs("a", {**whole, "versions": [[1, 200]]}) <= TOL
+        assert out["version"] == 1 and out["resumed"] == 1 and out["finish_reason"] == "length"
+        (v1, n1), (v2, n2) = out["versions"]
+        assert (v1, v2) == (1, 2) and n1 > 0 and n2 > 0 and n1 + n2 == len(out["token_ids"]) == 200, out["versions"]
+        assert len(out["logprobs"]) == 200
+        # Token-exact: the v2 tokens' logprobs are those of v2 given prompt + exactly the v1 tokens, and vice versa.
+        assert fleet.check_logprobs("a", out) <= TOL
+        # The other version would not score them so: the check above can fail.
+        wrong = peft_logprobs_of(fleet.model_dir, *fleet.payloads[("a", 1)], fleet.prompt + out["token_ids"][:n1],
+                                 out["token_ids"][n1:])
+        assert max(abs(a - b) for a, b in zip(out["logprobs"][n1:], wrong)) > 1e-3
+        assert out["regenerated_tokens"] > 0 and out["regenerated_tokens"] <= len(fleet.prompt) + n1
+        assert out["version_sha256"] == {"1": fleet.replica.adapters.served_sha(1, "a"),
+                                         "2": fleet.replica.adapters.served_sha(2, "a")}
 
 
-def test_a_partial_request_on_an_expired_version_starts_under_the_newest(fleet):
-    out = fleet.run(fleet.replica.generate(fleet.req("a", 2, partial="at_limit")))
-    assert out["version"] == 2 and out["versions"] == [[3, 200]]
-    assert fleet.check_logprobs("a", out) <= TOL
+    def test_at_limit_moves_on_expire_and_only_within_its_run(self, fleet):
+        async def main():
+            r = fleet.replica
+            a_task = asyncio.ensure_future(r.generate(fleet.req("a", 2, partial="at_limit")))
+            b_task = asyncio.ensure_future(r.generate(fleet.req("b", 1, partial="all")))
+            plain = asyncio.ensure_future(r.generate(fleet.req("a", 2)))  # not partial: expire aborts it
+            await _until_generating(r)
+            fleet.publish("a", 3)
+            await r.load_adapter(3, "a")  # at_limit: a newer version alone does not move a/v2; b's run is not a's
+            await asyncio.sleep(0.1)
+            assert r.adapters.partial.running("a") == 1 and r.adapters.partial.running("b") == 1
+            aborted = await r.expire([2], "a")  # the registry trimmed a/v2: the partial one moves, the plain one ends
+            return aborted, await a_task, await b_task, await asyncio.gather(plain, return_exceptions=True)
+
+        from serve_deployments.replica import VersionExpiredError
+
+        aborted, a_out, b_out, (plain,) = fleet.run(main())
+        assert aborted == 1 and isinstance(plain, VersionExpiredError)
+        assert [v for v, _ in a_out["versions"]] == [2, 3] and a_out["resumed"] == 1
+        assert fleet.check_logprobs("a", a_out) <= TOL
+        # run b has only policy-v1: a/policy-v3 going live moves nothing of b's
+        assert b_out["versions"] == [[1, 200]] and b_out["resumed"] == 0 and b_out["run"] == "b"
+
+
+    def test_a_partial_request_on_an_expired_version_starts_under_the_newest(self, fleet):
+        out = fleet.run(fleet.replica.generate(fleet.req("a", 2, partial="at_limit")))
+        assert out["version"] == 2 and out["versions"] == [[3, 200]]
+        assert fleet.check_logprobs("a", out) <= TOL
 
 
 # ---------------------------------------------------------------------------------------------- the buffer
