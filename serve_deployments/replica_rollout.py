@@ -138,7 +138,7 @@ class RolloutPath:
             c = final.outputs[0] if final is not None and final.outputs else None
             new = list(c.token_ids) if c is not None else []
             new_lp = _logprobs(c) if c is not None else []
-            if len(new_lp) != len(new):
+            if s.get("logprobs", True) and len(new_lp) != len(new):  # none asked (behaviour logprobs by the trainer)
                 raise ReplicaError(f"request {request_id}: {len(new)} tokens but {len(new_lp)} logprobs", 500)
             if final is not None:
                 n_cached = int(final.num_cached_tokens or 0)
