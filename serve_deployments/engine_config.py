@@ -113,7 +113,7 @@ def tool_parser_option(cfg: Config) -> str | None:
 
     name = cfg.rollout.tool_parser
     try:
-        from serve_deployments.vllm_compat import check_tool_parser
+        from serve_deployments.tool_parsers import check_tool_parser
 
         check_tool_parser(name)
     except ImportError:
