@@ -173,3 +173,33 @@ def test_rule_refuses_trainer_logprobs_under_zero3_naming_both_keys():
         C.load(None, ["rollout.behaviour_logprobs=vllm"])
     with pytest.raises(C.ConfigError, match="rollout.engine_logprobs_every"):
         C.load(None, ["rollout.engine_logprobs_every=-1"])
+
+
+def test_rollout_side_asks_the_engine_every_nth_group_and_episodes_carry_none():
+    from types import SimpleNamespace
+
+    from app.episodes import Episode
+    from app.rollout_worker import RolloutWorker
+
+    def asked(sets, n=7):
+        # the counter alone: a whole RolloutWorker needs Ray actors and a tokenizer, which this rule never reads
+        stub = SimpleNamespace(cfg=C.load(None, sets), _groups_started=0)
+        return [RolloutWorker.__ray_actor_class__._engine_logprobs(stub) for _ in range(n)]
+
+    assert asked([]) == [True] * 7  # engine mode: every group
+    assert asked(["rollout.behaviour_logprobs=trainer", "rollout.engine_logprobs_every=3"]) == [
+        True, False, False, True, False, False, True]
+    assert asked(["rollout.behaviour_logprobs=trainer", "rollout.engine_logprobs_every=0"]) == [False] * 7
+
+    turn = {"token_ids": [5, 6], "prompt_token_ids": [1, 2], "version": 3, "text": "x"}
+    ep = Episode(prompt_ids=[1, 2])
+    ep.add_turn({**turn, "logprobs": []})  # sampled without logprobs
+    ep.add_context([7, 8, 9], [])
+    ep.add_turn({**turn, "logprobs": []})
+    assert ep.logprobs is None and ep.mask == [1, 1, 0, 0, 0, 1, 1]
+    ep = Episode(prompt_ids=[1, 2])
+    ep.add_turn({**turn, "logprobs": [-0.5, -0.25]})
+    ep.add_context([7], [])
+    assert ep.logprobs == [-0.5, -0.25, 0.0]
+    with pytest.raises(RuntimeError, match="2 tokens but 1 logprobs"):
+        ep.add_turn({**turn, "logprobs": [-0.5]})
