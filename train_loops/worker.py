@@ -226,7 +226,9 @@ class GRPOWorker:
 
     def learn(self, batch_samples: list) -> dict:
         """One optimizer step over the step's samples: this rank's share, cut into micro-batches by the
-        token budget (train_loops.micro_batches), every rank running the same number of backwards."""
+        token budget (train_loops.micro_batches), every rank running the same number of backwards. Samples
+        without behaviour logprobs (rollout.behaviour_logprobs trainer) get them first: the pre-pass under
+        an older version's kept weights, or this forward's own for the live version (train_loops/behaviour.py)."""
         from train_loops import micro_batches as mb
 
         batch_samples, unscored = scoreable(batch_samples, self.versions)
