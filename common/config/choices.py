@@ -28,6 +28,7 @@ VLLM_LORA_RANKS: tuple[int, ...] = typing.get_args(LoraRank)
 RouterPolicy = Literal["prefix", "round_robin", "serve_default"]
 ROUTING_POLICIES: tuple[str, ...] = typing.get_args(RouterPolicy)
 SyncMode = Literal["adapter", "merge"]
+BehaviourLogprobs = Literal["engine", "trainer"]
 RunMode = Literal["async", "sync"]
 ProxyLocation = Literal["EveryNode", "HeadOnly", "Disabled"]  # ray.serve.config.ProxyLocation
 # run.loggers entries -> (modules, any one of which will do; the pip extra that installs them). See app/loggers.py.

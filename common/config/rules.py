@@ -67,6 +67,10 @@ def cross_section_problems(cfg: Config) -> list[str]:
         (cfg.run.fleet is None or cfg.sync.mode == "adapter",
          "sync.mode: a run on a fleet (run.fleet) must use adapter mode; merge mode replaces the base model that "
          "every run of the fleet shares"),
+        (rollout.behaviour_logprobs == "engine" or train.zero_stage < 3,
+         "rollout.behaviour_logprobs: trainer swaps older versions' LoRA values into the parameters, which "
+         f"train.zero_stage {train.zero_stage} partitions across ranks; use train.zero_stage 0-2 or "
+         "rollout.behaviour_logprobs engine"),
         (cfg.eval.path not in ("builtin:letters-heldout", "builtin:letter-hunt-heldout")
          or cfg.data.builtin_size <= 4096,
          f"eval.path: builtin:letters-heldout is disjoint from the first 4096 builtin:letters prompts only; "
