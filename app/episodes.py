@@ -48,7 +48,9 @@ class Episode:
     prompt_ids: list[int]  # the opening prompt
     completion_ids: list[int] = field(default_factory=list)  # every token after it
     mask: list[int] = field(default_factory=list)  # 1 sampled, 0 environment context
-    logprobs: list[float] = field(default_factory=list)  # behaviour logprobs, 0.0 on context
+    # behaviour logprobs, 0.0 on context; None once a turn came without them (rollout.behaviour_logprobs
+    # trainer: the trainer scores the whole episode under its version)
+    logprobs: list[float] | None = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)
     step_rewards: list[float | None] = field(default_factory=list)
@@ -82,7 +84,9 @@ class Episode:
 
     def add_turn(self, out: dict) -> None:
         tokens, logprobs = list(out["token_ids"]), list(out["logprobs"])
-        if len(logprobs) != len(tokens):
+        if not logprobs and tokens:  # sampled without logprobs: the trainer computes them all
+            self.logprobs = None
+        elif len(logprobs) != len(tokens):
             raise RuntimeError(f"turn {len(self.turns) + 1}: {len(tokens)} tokens but {len(logprobs)} logprobs")
         self.turns.append({"prompt_ids": list(out["prompt_token_ids"]), "token_ids": tokens,
                            "replica_id": out.get("replica_id"), "version": int(out["version"]),
@@ -98,7 +102,8 @@ class Episode:
             self.regenerated_tokens += int(out.get("regenerated_tokens", 0))
         self.completion_ids += tokens
         self.mask += [1] * len(tokens)
-        self.logprobs += logprobs
+        if self.logprobs is not None:
+            self.logprobs += logprobs
         self.finish_reasons.append(out.get("finish_reason"))
         self.messages.append({"role": "assistant", "content": out["text"]})
         st = self.stats
@@ -110,7 +115,8 @@ class Episode:
         self._pending_context += len(tokens)
         self.completion_ids += tokens
         self.mask += [0] * len(tokens)
-        self.logprobs += [0.0] * len(tokens)
+        if self.logprobs is not None:
+            self.logprobs += [0.0] * len(tokens)
         self.messages += observations
         self.stats.env_tokens += len(tokens)
         for m in observations:

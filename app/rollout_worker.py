@@ -80,6 +80,7 @@ class RolloutWorker:
 
             self.episodes = EpisodeRollout(self.cfg, self.tokenizer, self.scorer)
         self.groups_done = 0
+        self._groups_started = 0  # rollout.engine_logprobs_every counts groups as they start
         self.filtered_groups = 0  # dynamic sampling: groups dropped for all-equal rewards
         self.rollout_retries = 0  # whole-group retries after a lost ingress / replica
         self.failed_groups = 0  # groups given up after those retries (their prompts come again)
@@ -147,7 +148,7 @@ class RolloutWorker:
         grpo = self.cfg.grpo
         prompt_ids = render_prompt(row, self.tokenizer, self.cfg.data)
         sampling = {"max_tokens": grpo.max_new_tokens, "temperature": grpo.temperature, "top_p": grpo.top_p,
-                    "logprobs": True}
+                    "logprobs": self._engine_logprobs()}
         if grpo.ignore_eos:
             sampling["ignore_eos"] = True
         t0 = time.perf_counter()
@@ -160,8 +161,11 @@ class RolloutWorker:
         rewards = await self._score(comps, row)
         advantages = group_advantages(torch.tensor([rewards]), scale_by_std=self.cfg.scale_advantages)[0].tolist()
         version = versions.pop()
+        # trainer mode: the engine returned none, the trainer computes them (train_loops/behaviour.py)
+        engine_lp = sampling["logprobs"]
         samples = [Sample(prompt_ids=list(prompt_ids), completion_ids=list(comp["token_ids"]),
-                          behaviour_logprobs=list(comp["logprobs"]), reward=reward, advantage=advantage,
+                          behaviour_logprobs=list(comp["logprobs"]) if engine_lp else None, reward=reward,
+                          advantage=advantage,
                           version=version, prompt_id=row["id"], group_id=f"{self.worker_id}-{self.groups_done}",
                           **partial_fields(comp))
                    for comp, reward, advantage in zip(comps, rewards, advantages)]
@@ -179,7 +183,7 @@ class RolloutWorker:
         grpo = self.cfg.grpo
         version = await ROLLOUT_GROUP.run(lambda: self._ingress_handle().pin_version.remote(),
                                           on_retry=lambda *_: setattr(self, "_ingress", None))
-        sampling = {"temperature": grpo.temperature, "top_p": grpo.top_p, "logprobs": True}
+        sampling = {"temperature": grpo.temperature, "top_p": grpo.top_p, "logprobs": self._engine_logprobs()}
         if grpo.ignore_eos:
             sampling["ignore_eos"] = True
 
@@ -211,6 +215,16 @@ class RolloutWorker:
                    for ep, reward, advantage in zip(episodes, rewards, advantages)]
         return Group(samples=samples, version=group_version(samples), prompt_id=row["id"], gen_seconds=gen_s,
                      gen_tokens=sum(ep.stats.sampled_tokens for ep in episodes))
+
+    def _engine_logprobs(self) -> bool:
+        """Whether the group starting now asks the engine for behaviour logprobs: always in engine mode; in
+        trainer mode every `rollout.engine_logprobs_every`-th group of this worker (the first included), so
+        the trainer/vLLM agreement is still measured on them."""
+        rollout = self.cfg.rollout
+        if rollout.behaviour_logprobs == "engine":
+            return True
+        n, self._groups_started = self._groups_started, self._groups_started + 1
+        return rollout.engine_logprobs_every > 0 and n % rollout.engine_logprobs_every == 0
 
     async def _generate_group(self, prompt_ids: list[int], n: int, sampling: dict, version: int | None = None,
                               replica: str | None = None) -> list[dict]:

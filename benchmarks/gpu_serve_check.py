@@ -1,5 +1,5 @@
 """`app serve` on a GPU, checked from outside like a user would: the REST routes answer (models,
-completions, chat, streaming, explicit policy versions, clear 4xx for bad input), and the served
+completions, chat, streaming, explicit policy versions, tool calls, clear 4xx for bad input), and the served
 policy's greedy logprobs equal a PEFT forward of the same adapter (teacher-forced on the engine's
 tokens, bf16 tolerance), while the base model's stay the base model's.
 
@@ -20,6 +20,14 @@ from pathlib import Path
 from common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
+
+# A strict tool whose schema bounds its arguments (tests/test_rest_tools.py's on CPU): a named tool_choice must come
+# back as one call of it with arguments in the schema, for the base model and the policy alike.
+UNIT = {"type": "function", "function": {
+    "name": "set_unit", "description": "Set the unit.", "strict": True,
+    "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]},
+                                                    "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                   "required": ["unit", "n"], "additionalProperties": False}}}
 
 PROMPTS = [f"Say the letter {a}, not {b} or {c}." for a, b, c in
            ["KQZ", "ABC", "XYW", "MNO", "PRS", "TUV", "DEF", "GHJ"]]
@@ -114,6 +122,20 @@ def main(argv=None) -> int:
         c["stream_status"], c["stream_chunks"], c["stream_done"] = (
             s.status_code, len(lines), lines[-1] == "data: [DONE]"
         )
+        c["tool_calls"] = {}
+        # The tiny tokenizer's space and newline would fill max_tokens inside a strict call's arguments.
+        no_ws = {str(tok.convert_tokens_to_ids(t)): -100 for t in ("Ġ", "Ċ")}
+        for model in ("base", "policy-v1"):
+            r = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+                "model": model, "messages": [{"role": "user", "content": "units?"}], "tools": [UNIT],
+                "tool_choice": {"type": "function", "function": {"name": "set_unit"}}, "max_tokens": 120,
+                "temperature": 0.0, "logit_bias": no_ws})
+            calls = r.json()["choices"][0]["message"].get("tool_calls") or [] if r.status_code == 200 else []
+            args = json.loads(calls[0]["function"]["arguments"]) if calls else {}
+            c["tool_calls"][model] = {"status": r.status_code, "names": [x["function"]["name"] for x in calls],
+                                      "arguments": args,
+                                      "ok": (len(calls) == 1 and calls[0]["function"]["name"] == "set_unit"
+                                             and args.get("unit") in ("c", "f") and 0 <= args.get("n", -1) <= 9)}
         bad = {"unknown_model": httpx.post(f"{base}/v1/completions", timeout=30,
                                            json={"model": "policy-v999", "prompt": "x"}).status_code,
                "bad_json": httpx.post(f"{base}/v1/completions", timeout=30, content=b"{nope",
@@ -139,6 +161,7 @@ def main(argv=None) -> int:
     rec["device"] = torch.cuda.get_device_name(0)
     ok = (all(v == 200 for v in (c["policy_latest_status"], c["chat_status"], c["stream_status"]))
           and c["stream_done"] and all(400 <= v < 500 for v in bad.values())
+          and all(t["ok"] for t in c["tool_calls"].values())
           and bf16_match(rec, "policy-v1") and bf16_match(rec, "base") and "policy-v1" in ids)
     rec["ok"] = ok
     rec["tolerance"] = BF16_TOLERANCE

@@ -78,11 +78,15 @@ class Sample:
     """One scored completion, ready for the GRPO loss. A multi-turn episode is one Sample too: its
     `completion_ids` are every token after the opening prompt (each turn the engine sampled and the
     observations between them), `completion_mask` marks the sampled ones (1) from the context the
-    environment added (0), and `behaviour_logprobs` has one entry per completion token (0.0 on context)."""
+    environment added (0), and `behaviour_logprobs` has one entry per completion token (0.0 on context).
+
+    `behaviour_logprobs` is None when the engine sampled without them (`rollout.behaviour_logprobs:
+    trainer`): the trainer computes them under `version`'s weights (train_loops/behaviour.py). Inside the
+    trainer a list may hold NaN at positions the training forward itself fills (the current version's)."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    behaviour_logprobs: list[float]
+    behaviour_logprobs: list[float] | None
     reward: float
     advantage: float
     version: int  # policy version that sampled it

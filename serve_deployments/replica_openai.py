@@ -39,7 +39,7 @@ def error_dict(message: str, status_code: int) -> dict:
 
 def vllm_error(e: Exception) -> dict:
     """An exception from vLLM's request handling as the error dict of its status code."""
-    from serve_deployments.vllm_compat import create_error_response
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
     r = create_error_response(e)
     if r.error.code >= 500:
@@ -62,10 +62,8 @@ class OpenAIPath:
         """Validate with vLLM's request models; returns (run, version, request). `RUN/policy-vN` names a fleet
         run's version, resolved against that run's live versions."""
         from pydantic import ValidationError
-
-        from serve_deployments.vllm_compat import openai_serving_classes
-
-        *_, CompletionRequest, ChatCompletionRequest = openai_serving_classes()
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
         if path not in ROUTES:
             raise ReplicaError(f"unknown route {path}; this replica serves {', '.join(ROUTES)}", 404)
@@ -107,7 +105,7 @@ class OpenAIPath:
 
     def result(self, result, version: int, run: str = "") -> dict:
         """A serving handler's response as the dict the ingress answers with."""
-        from serve_deployments.vllm_compat import ErrorResponse
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         if isinstance(result, ErrorResponse):
             return error_dict(result.error.message, result.error.code)

@@ -68,10 +68,14 @@ class VllmServing:
     request): the adapter transport writes it, the serving classes look names up in it."""
 
     def __init__(self, engine, model: str, tool_parser: str | None = None):
-        from serve_deployments.vllm_compat import openai_serving_classes, tool_parser_error, tool_serving_kwargs
+        # Imported here, not at module level: they pull in FastAPI and the tokenizer stack.
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+        from vllm.entrypoints.openai.models.protocol import BaseModelPath
+        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+        from vllm.renderers.online_renderer import OnlineRenderer
 
-        (OpenAIServingModels, BaseModelPath, OpenAIServingCompletion, OpenAIServingChat, OnlineRenderer,
-         *_) = openai_serving_classes()
+        from serve_deployments.tool_parsers import tool_parser_error, tool_serving_kwargs
 
         names = [BASE_NAME] + ([Path(model).name] if Path(model).name != BASE_NAME else [])
         self._models = OpenAIServingModels(engine, [BaseModelPath(name=n, model_path=model) for n in names])

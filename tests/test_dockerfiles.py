@@ -44,7 +44,7 @@ def _pyproject_pin(pkg: str, extra: str) -> str:
 def test_gpu_image_matches_the_gpu_pins():
     text = (REPO / "Dockerfile").read_text()
     (base,) = re.findall(r"^FROM (\S+)", text, re.M)
-    # torch 2.11 wheels: CUDA 13.0; 24.04: Python 3.12
+    # vllm 0.32.0's torch 2.13 wheels: CUDA 13.0; 24.04: Python 3.12
     assert re.fullmatch(r"nvidia/cuda:13\.0\.\d+-devel-ubuntu24\.04", base), base
     assert f"vllm {_pyproject_pin('vllm', 'gpu')}" in text
     assert 'pip install --no-cache-dir "./.[gpu]"' in text

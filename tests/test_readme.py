@@ -156,11 +156,23 @@ def test_every_command_and_flag_the_readme_shows_exists(text):
 
 def test_flags_in_prose_exist(text):
     """A flag named outside a `python -m app` command (`train --wait`, `--set`) is one some command takes."""
-    prose = "\n".join(APP_CMD.sub("", line) for line in text.splitlines()
-                      if not re.match(r"\s*(ray|docker|kubectl|bash|\.venv/bin/python -m pytest) ", line))
+    other_tools = r"\s*(ray|docker|kubectl|bash|\.venv/bin/python -m pytest|python scripts/\S+) "
+    prose = "\n".join(APP_CMD.sub("", line) for line in text.splitlines() if not re.match(other_tools, line))
     every = "\n".join(app_help(sub) for sub in top_level_commands() if sub != "bench")
     for flag in set(FLAG.findall(prose)):
         assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", every), f"README names {flag}: no command has it"
+
+
+def test_script_lines_use_flags_the_script_has(text):
+    """`python scripts/X.py --flag` lines (the offline bundle's build) against that script's --help."""
+    lines = [line for line in text.splitlines() if line.startswith("python scripts/")]
+    assert lines, "the README shows the bundle build"
+    for line in lines:
+        script = line.split()[1]
+        help_text = subprocess.run([sys.executable, str(REPO / script), "--help"], capture_output=True, text=True,
+                                   timeout=60, cwd=REPO).stdout
+        for flag in FLAG.findall(line.split("#")[0]):
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text), f"{script} has no {flag}"
 
 
 def test_every_path_the_readme_names_exists(text):

@@ -406,7 +406,7 @@ def test_openai_request_pinned_to_the_exact_version_and_holds_its_slot(tiny_mode
 
 
 def test_vllm_errors_become_error_dicts(tiny_model_dir, payloads):
-    from serve_deployments.vllm_compat import ErrorResponse
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
     async def main():
         reg = FakeRegistry()

@@ -136,7 +136,7 @@ def test_tool_conversation_renders_like_vllm():
 def test_tool_parser_is_checked_at_start(tokenizer):
     from common.config import ConfigError
     from serve_deployments.app_builder import build_app
-    from serve_deployments.vllm_compat import chat_tool_parser, check_tool_parser, tool_parser_names
+    from serve_deployments.tool_parsers import chat_tool_parser, check_tool_parser, tool_parser_names
 
     assert "hermes" in tool_parser_names()
     check_tool_parser(None)
@@ -156,13 +156,15 @@ def test_default_parser_extracts_hermes_calls_with_the_tiny_tokenizer(tokenizer)
     """The parser class OpenAIServingChat builds for rollout.tool_parser's default (same ParserManager
     call, same tokenizer class) finds a Hermes call: hermes matches `<tool_call>` in the text, so a
     tokenizer without that special token serves it."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
     from common.config import Config
-    from serve_deployments.vllm_compat import chat_tool_parser, openai_serving_classes
+    from serve_deployments.tool_parsers import chat_tool_parser
 
     name = Config().rollout.tool_parser
     parser_cls = chat_tool_parser(name, tokenizer)
     assert parser_cls.tool_parser_cls.__name__ == "Hermes2ProToolParser"
-    request = openai_serving_classes()[-1].model_validate({"messages": USER, "tools": [WEATHER]})
+    request = ChatCompletionRequest.model_validate({"messages": USER, "tools": [WEATHER]})
     info = parser_cls.tool_parser_cls(tokenizer, request.tools).extract_tool_calls("ok " + HERMES_CALL, request)
     assert info.tools_called and info.content == "ok "
     assert [(c.function.name, json.loads(c.function.arguments)) for c in info.tool_calls] == [

@@ -90,7 +90,9 @@ def buffer_batch(buffer, trainer_version: int, n_groups: int) -> StepBatch | Non
 
 def collate(samples: list[Sample], pad_id: int = 0, device: str | torch.device = "cpu") -> dict:
     """Right-padded prompt+completion ids, and per completion token: the position whose hidden state
-    predicts it (`pred_pos`), the token (`targets`), behaviour logprob and mask (sampled tokens only)."""
+    predicts it (`pred_pos`), the token (`targets`), behaviour logprob and mask (sampled tokens only).
+    A sample without behaviour logprobs (None: the trainer computes them, train_loops/behaviour.py) gets NaN
+    there, which the training forward fills (`behaviour.fill_from_forward`)."""
     rows = len(samples)
     width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     completion_width = max(len(s.completion_ids) for s in samples)
@@ -102,7 +104,7 @@ def collate(samples: list[Sample], pad_id: int = 0, device: str | torch.device =
     mask = torch.zeros(rows, completion_width, dtype=torch.bool)
     for row, sample in enumerate(samples):
         n_prompt, n_completion = len(sample.prompt_ids), len(sample.completion_ids)
-        if len(sample.behaviour_logprobs) != n_completion:
+        if sample.behaviour_logprobs is not None and len(sample.behaviour_logprobs) != n_completion:
             raise ValueError(f"sample {sample.prompt_id}/{sample.group_id}: {n_completion} completion tokens but "
                              f"{len(sample.behaviour_logprobs)} behaviour logprobs")
         if sample.completion_mask is not None and len(sample.completion_mask) != n_completion:
@@ -113,7 +115,8 @@ def collate(samples: list[Sample], pad_id: int = 0, device: str | torch.device =
         attn[row, :end] = 1
         pred_pos[row, :n_completion] = torch.arange(n_prompt - 1, end - 1)
         targets[row, :n_completion] = torch.tensor(sample.completion_ids)
-        behaviour[row, :n_completion] = torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)
+        behaviour[row, :n_completion] = (torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)
+                                         if sample.behaviour_logprobs is not None else torch.nan)
         if sample.completion_mask is None:
             mask[row, :n_completion] = True
         else:  # multi-turn: the environment's tokens are context, never trained on

@@ -5,17 +5,20 @@ from __future__ import annotations
 import torch
 
 MAX_KEYS = ("log_ratio_abs_max",)
-SUM_KEYS = ("tokens", "seq_tokens", "padded_tokens")
+SUM_KEYS = ("tokens", "seq_tokens", "padded_tokens", "behaviour_trainer_samples", "behaviour_prepass_samples")
 # Per-rank stats averaged (or summed, or maxed) across ranks; the rest of a row is rank 0's.
 STAT_KEYS = ("loss", "kl", "clip_frac", "entropy", "log_ratio_abs_mean", "log_ratio_abs_max", "tokens",
              "seq_tokens", "padded_tokens", "grad_norm", "tis_weight_mean", "tis_clip_frac", "micro_batches",
-             "is_weight_mean", "seq_log_ratio_abs_mean", "log_ratio_fresh")
+             "is_weight_mean", "seq_log_ratio_abs_mean", "log_ratio_fresh", "behaviour_trainer_samples",
+             "behaviour_prepass_samples", "behaviour_prepass_seconds")
 
 
-def fresh_log_ratio(logp, tensors: dict, part: list, current: int) -> dict:
+def fresh_log_ratio(logp, tensors: dict, part: list, current: int, engine_rows: list[bool] | None = None) -> dict:
     """Mean |trainer - vLLM| logprob over the tokens of samples the current weights generated: the
-    engines' numerical mismatch alone, without the policy drift that staler samples add."""
-    fresh = torch.tensor([s.version == current for s in part], device=logp.device)
+    engines' numerical mismatch alone, without the policy drift that staler samples add. `engine_rows`:
+    which rows' behaviour logprobs came from the engine (the others', the trainer's own, would read 0)."""
+    rows = engine_rows if engine_rows is not None else [True] * len(part)
+    fresh = torch.tensor([s.version == current and e for s, e in zip(part, rows)], device=logp.device)
     sel = tensors["mask"] & fresh[:, None]
     if not bool(sel.any()):
         return {}

@@ -30,6 +30,7 @@ from common.data_cursor import ConsumedPrompts, parse_prompt_key, prompt_key
 from common.names import BUFFER_NAME, METRICS_NAME, REGISTRY_NAME
 from train_loops import checkpoint as ckpt
 from train_loops.batches import RunClosed, StepBatch, buffer_batch, collate
+from train_loops.behaviour import VersionWeights, fill_from_forward, prepass, scoreable
 from train_loops.losses import get_policy_loss
 from train_loops.step_stats import STAT_KEYS, combine, fresh_log_ratio
 
@@ -134,6 +135,13 @@ class GRPOWorker:
         self.consumed = ConsumedPrompts.from_state(self.state.get("data"))
         self._rewind_buffer()
         self.publisher.resume_version(self.state["version"])
+        # rollout.behaviour_logprobs trainer: the LoRA values of the versions whose samples the trainer still
+        # takes. A restore whose version the registry does not serve from these weights (a newer publish of
+        # the lost incarnation) keeps none: samples of older versions are dropped and counted.
+        self.versions = VersionWeights(self.model, cfg.sync.max_staleness,
+                                       enabled=cfg.rollout.behaviour_logprobs == "trainer")
+        if self.publisher.version == self.state["version"]:
+            self.versions.start(self.publisher.version)
 
     # ------------------------------------------------------------------ the loop
 
@@ -165,6 +173,7 @@ class GRPOWorker:
         stats = self.learn(batch.samples)
         t2 = time.perf_counter()
         pub = self.publisher.maybe_publish(self.model, step)
+        self.versions.after_step(pub)
         pending = pub.pop("served_pending", 0)
         prompts = self._record_prompts(batch)
         self.state.update(step=step, version=self.publisher.version,
@@ -217,23 +226,38 @@ class GRPOWorker:
 
     def learn(self, batch_samples: list) -> dict:
         """One optimizer step over the step's samples: this rank's share, cut into micro-batches by the
-        token budget (train_loops.micro_batches), every rank running the same number of backwards."""
+        token budget (train_loops.micro_batches), every rank running the same number of backwards. Samples
+        without behaviour logprobs (rollout.behaviour_logprobs trainer) get them first: the pre-pass under
+        an older version's kept weights, or this forward's own for the live version (train_loops/behaviour.py)."""
         from train_loops import micro_batches as mb
 
+        batch_samples, unscored = scoreable(batch_samples, self.versions)
+        if not batch_samples:
+            raise RuntimeError(f"no sample of this step can be scored: {unscored} samples of versions whose "
+                               "weights the trainer no longer keeps (rollout.behaviour_logprobs trainer)")
         ranks = mb.assign_ranks(batch_samples, self.world)
         n_micro = mb.micro_batches_needed(ranks, self.token_budget)
         micro = mb.plan(ranks, self.rank, self.token_budget, n_micro)
         token_denom, seq_denom = mb.step_denominators(ranks)
         current = self.publisher.version  # the version the weights being trained hold now
+        filled, behaviour_stats = {}, {}
+        if self.versions.enabled or any(s.behaviour_logprobs is None for s in ranks[self.rank]):
+            filled, behaviour_stats = prepass(
+                ranks[self.rank], self.versions, self.engine, lambda p: collate(p, self.pad_id, self.device),
+                lambda p: mb.pack(p, self.token_budget), self.engine.module)
+            behaviour_stats["behaviour_unscored_samples"] = unscored
         lr = float(self.engine.get_lr()[0])  # this step's (the schedule moves on at the boundary)
         micro_stats = []
         for i in range(n_micro):
             # A rank with fewer sequences than the others' micro-batch count repeats one with weight 0:
             # its backward must still run, or the ZeRO reductions of the ranks go out of step.
             part, weight = (micro[i], 1.0) if i < len(micro) else (micro[-1][:1], 0.0)
+            engine_rows = [s.behaviour_logprobs is not None for s in part]
+            part = [filled.get(id(s), s) for s in part]
             tensors = collate(part, self.pad_id, self.device)
             fwd = {k: tensors[k] for k in ("input_ids", "attention_mask", "pred_pos", "targets", "mask")}
             logp, entropy = self.engine(**fwd)
+            tensors["behaviour_logp"] = fill_from_forward(tensors["behaviour_logp"], logp)
             ref = None
             if self.cfg.grpo.kl_coef > 0:
                 with torch.no_grad():
@@ -243,13 +267,14 @@ class GRPOWorker:
             self.engine.backward(loss * weight, scale_wrt_gas=False)
             self.engine.step()  # applies the update only at the boundary
             if weight:
-                part_stats.update(fresh_log_ratio(logp, tensors, part, current))
+                part_stats.update(fresh_log_ratio(logp, tensors, part, current, engine_rows))
                 micro_stats.append({**part_stats, "loss": float(loss.detach()),
                                     "seq_tokens": int(tensors["attention_mask"].sum()),
                                     "padded_tokens": int(tensors["attention_mask"].numel())})
         stats = combine(micro_stats)
         stats["loss"] *= len(micro_stats)  # micro-batch losses are shares of the step's loss: sum them
         stats["micro_batches"] = n_micro
+        stats.update(behaviour_stats)
         stats["lr"] = lr
         grad_norm = self.engine.get_global_grad_norm()
         stats["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0

@@ -30,6 +30,7 @@ ROUTING_POLICIES: tuple[str, ...] = typing.get_args(RouterPolicy)
 SyncMode = Literal["adapter", "merge"]
 # rollout.partial_policy: which partial rollouts move to a newer version (serve_deployments/partial_rollouts.py)
 PartialPolicy = Literal["at_limit", "all"]
+BehaviourLogprobs = Literal["engine", "trainer"]
 RunMode = Literal["async", "sync"]
 ProxyLocation = Literal["EveryNode", "HeadOnly", "Disabled"]  # ray.serve.config.ProxyLocation
 # run.loggers entries -> (modules, any one of which will do; the pip extra that installs them). See app/loggers.py.

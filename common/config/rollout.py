@@ -3,7 +3,7 @@ routed among the replicas."""
 from __future__ import annotations
 
 from common.config.base import Section, broken, option
-from common.config.choices import LoraRank, PartialPolicy, ProxyLocation, RouterPolicy, words
+from common.config.choices import BehaviourLogprobs, LoraRank, PartialPolicy, ProxyLocation, RouterPolicy, words
 
 
 class RolloutConfig(Section):
@@ -34,6 +34,16 @@ class RolloutConfig(Section):
         "at_limit", "With rollout.partial: at_limit moves the samples whose version leaves the live window (those "
                     "that would otherwise be aborted as too stale); all moves every sample under an older version "
                     "as soon as a newer one is loaded.")
+    behaviour_logprobs: BehaviourLogprobs = option(
+        "engine", "Who computes each sampled token's behaviour logprob: engine (vLLM returns it with the token) or "
+                  "trainer (the engine samples without logprobs, ~25% of a GPU decode step, and the trainer scores "
+                  "each sample under the adapter version that sampled it: the training forward itself for the "
+                  "current version, one no-grad forward under a kept copy of an older version's LoRA weights "
+                  "otherwise; train_loops/behaviour.py).")
+    engine_logprobs_every: int = option(
+        16, "rollout.behaviour_logprobs trainer: every Nth group of each rollout worker still asks the engine for "
+            "logprobs (and keeps them for the loss), so the trainer/vLLM agreement (log_ratio_fresh) is still "
+            "reported; 0 = never.", ge=0)
     http_port: int = option(8000, "Serve HTTP port of the OpenAI-compatible ingress.", ge=1, le=65535)
     proxy_location: ProxyLocation = option(
         "EveryNode", "Where Serve runs its HTTP proxies: EveryNode (each node answers on http_port), HeadOnly "

@@ -70,9 +70,16 @@ def cross_section_problems(cfg: Config) -> list[str]:
         (not rollout.partial or cfg.run.mode == "async",
          "rollout.partial: a sync run generates each batch under one version with none published meanwhile, so "
          "nothing would move; use run.mode async or set rollout.partial false"),
+        (not rollout.partial or rollout.behaviour_logprobs == "engine",
+         "rollout.partial: rollout.behaviour_logprobs trainer scores a sample under the one version it names, and a "
+         "continued sample has tokens of several; use rollout.behaviour_logprobs engine"),
         (not rollout.partial or cfg.sync.mode == "adapter",
          "rollout.partial: sync.mode merge replaces the engines' base weights, which a continued sample cannot "
          "move across; use sync.mode adapter"),
+        (rollout.behaviour_logprobs == "engine" or train.zero_stage < 3,
+         "rollout.behaviour_logprobs: trainer swaps older versions' LoRA values into the parameters, which "
+         f"train.zero_stage {train.zero_stage} partitions across ranks; use train.zero_stage 0-2 or "
+         "rollout.behaviour_logprobs engine"),
         (cfg.eval.path not in ("builtin:letters-heldout", "builtin:letter-hunt-heldout")
          or cfg.data.builtin_size <= 4096,
          f"eval.path: builtin:letters-heldout is disjoint from the first 4096 builtin:letters prompts only; "

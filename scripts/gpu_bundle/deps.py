@@ -93,15 +93,25 @@ class Selection:
 
 class _Graph:
     def __init__(self, packages: dict[str, Package], roots: list[Requirement], env: dict[str, str]):
-        self.packages, self.env = packages, env
-        self.extras: dict[str, set[str]] = defaultdict(set)
-        for req in [*roots, *(r for p in packages.values() for r in p.requires)]:
-            self.extras[normalize(req.name)] |= req.extras
+        self.packages, self.env, self.roots = packages, env, roots
+        self.extras: dict[str, set[str]] = self._extras_wanted_by(())
+
+    def _extras_wanted_by(self, names: Iterable[str]) -> dict[str, set[str]]:
+        """The extras the roots and the given packages ask of each package. Only these count: an extra that
+        only a package left out asks for (cuda-toolkit[nvcc] of an excluded kernel library) pulls nothing in."""
+        extras: dict[str, set[str]] = defaultdict(set)
+        for req in self.roots:
+            extras[normalize(req.name)] |= req.extras
+        for name in names:
+            for req in self.packages[name].requires:
+                if self.applies(name, req):
+                    extras[normalize(req.name)] |= req.extras
+        return extras
 
     def applies(self, owner: str | None, req: Requirement) -> bool:
         if req.marker is None:
             return True
-        extras = {""} | (self.extras[owner] if owner else set())
+        extras = {""} | (self.extras.get(owner, set()) if owner else set())
         return any(req.marker.evaluate({**self.env, "extra": extra}) for extra in extras)
 
     def edges(self, name: str) -> list[tuple[str, Requirement]]:
@@ -109,6 +119,17 @@ class _Graph:
                 if normalize(r.name) in self.packages and self.applies(name, r)]
 
     def reach(self, start: Iterable[str], stop: set[str]) -> set[str]:
+        """What `start` needs, not passing through `stop`; extras as asked by what is reached (a fixpoint)."""
+        start = list(start)
+        self.extras = self._extras_wanted_by(())
+        while True:
+            seen = self._walk(start, stop)
+            extras = self._extras_wanted_by(seen)
+            if _nonempty(extras) == _nonempty(self.extras):
+                return seen
+            self.extras = extras
+
+    def _walk(self, start: list[str], stop: set[str]) -> set[str]:
         seen: set[str] = set()
         todo = [n for n in start if n in self.packages and n not in stop]
         while todo:
@@ -118,6 +139,10 @@ class _Graph:
             seen.add(name)
             todo += [dep for dep, _ in self.edges(name) if dep not in stop and dep not in seen]
         return seen
+
+
+def _nonempty(extras: dict[str, set[str]]) -> dict[str, set[str]]:
+    return {name: wanted for name, wanted in extras.items() if wanted}
 
 
 def select(packages: dict[str, Package], roots: list[Requirement], *, target_has: set[str], exclude: set[str],
