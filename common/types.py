@@ -142,8 +142,9 @@ class Group:
 
     @property
     def oldest_version(self) -> int:
-        """The version of the oldest token of any of its samples (what staleness metrics report)."""
-        return min((s.oldest_version for s in self.samples), default=self.version)
+        """The version of the oldest token of any of its samples (what staleness metrics report): the group's
+        own version unless a sample was continued across versions (rollout.partial)."""
+        return min([self.version, *(s.oldest_version for s in self.samples if s.token_versions)])
 
     @property
     def rewards(self) -> list[float]:

@@ -82,10 +82,21 @@ def fleet(tiny_model_dir):
     yield f
     import gc
 
+    import zmq
+
     f.replica.engine.shutdown()
     f.replica = None
     gc.collect()  # AsyncLLM.__del__ now, not at interpreter teardown (where it prints a TypeError)
     f.loop.close()
+    # The engine's client leaves its zmq context to the garbage collector; a later collection (any test's
+    # import) would run Context.__del__ -> destroy() with the default linger, which waits forever on a socket
+    # whose peer, the engine core, is gone (it hung the whole test session). Destroyed here, without linger.
+    for obj in gc.get_objects():
+        if isinstance(obj, zmq.Context) and not obj.closed:
+            try:
+                obj.destroy(linger=0)
+            except zmq.ZMQError:  # its sockets went with the engine already ("Bad address"): nothing waits
+                pass
 
 
 async def _until_generating(replica, seconds: float = 0.4):
