@@ -213,7 +213,6 @@ class RolloutBuffer:
             "wait_seconds": time.perf_counter() - t0,
             "staleness_mean": sum(trainer_version - v for v in oldest) / len(oldest),
             "staleness_max": max(trainer_version - v for v in oldest),
-            "staleness_oldest_max": max(trainer_version - v for v in oldest),
             "staleness_accept_max": max(trainer_version - group.version for group in groups),
             "dropped_samples": self.dropped_samples,
             "filtered": filtered,

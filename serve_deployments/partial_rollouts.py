@@ -20,7 +20,6 @@ import asyncio
 import typing
 
 from common.config.choices import PartialPolicy
-from common.types import add_segment  # noqa: F401  (replica_rollout.py imports it from here)
 
 PARTIAL_POLICIES: tuple[str, ...] = typing.get_args(PartialPolicy)
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from common.types import add_segment
 from serve_deployments.engine_weights import ReplicaError
-from serve_deployments.partial_rollouts import PARTIAL_POLICIES, Segment, add_segment
+from serve_deployments.partial_rollouts import PARTIAL_POLICIES, Segment
 from serve_deployments.replica_adapters import ReplicaAdapters, VersionExpiredError, check_run
 
 # SamplingParams fields generate() passes through besides max_tokens/temperature/top_p/seed/logprobs.

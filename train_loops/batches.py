@@ -16,7 +16,6 @@ class StepBatch:
     groups: list[Group]
     staleness_mean: float = 0.0
     staleness_max: int = 0
-    staleness_oldest_max: int = 0
     staleness_accept_max: int = 0
     dropped_samples: int = 0
     wait_seconds: float = 0.0
@@ -40,7 +39,7 @@ class StepBatch:
         return {"partial_resumed": sum(s.resumed for s in samples),
                 "versions_per_sample_mean": sum(s.n_versions for s in samples) / len(samples),
                 "tokens_regenerated": sum(s.regenerated_tokens for s in samples),
-                "staleness_oldest_max": self.staleness_oldest_max, "staleness_accept_max": self.staleness_accept_max}
+                "staleness_accept_max": self.staleness_accept_max}
 
     def episode_stats(self) -> dict:
         """Multi-turn metrics of the step's episodes (none for single-turn samples): turns and tool calls
@@ -83,7 +82,6 @@ def buffer_batch(buffer, trainer_version: int, n_groups: int) -> StepBatch | Non
         return None
     return StepBatch(groups=out["groups"], staleness_mean=float(out["staleness_mean"]),
                      staleness_max=int(out["staleness_max"]), dropped_samples=int(out["dropped_samples"]),
-                     staleness_oldest_max=int(out.get("staleness_oldest_max", out["staleness_max"])),
                      staleness_accept_max=int(out.get("staleness_accept_max", out["staleness_max"])),
                      wait_seconds=float(out["wait_seconds"]), filtered=list(out.get("filtered") or []))
 
