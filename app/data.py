@@ -376,6 +376,12 @@ class PromptLoad:
     source: str = ""
 
 
+def _budget_problem(value, column: str) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"column {column!r} must be a positive integer (a completion budget in tokens), got {value!r:.60}"
+    return None
+
+
 def load_prompts_with_report(cfg: DataConfig) -> PromptLoad:
     """Rows `{"id", "prompt", "answer"}` plus how many bad rows were skipped; raises DataError naming the
     key, split, column or row at fault."""
@@ -393,21 +399,25 @@ def load_prompts_with_report(cfg: DataConfig) -> PromptLoad:
         return PromptLoad(builtin[task](cfg.builtin_size, cfg.shuffle_seed), source=cfg.path)
     table, source = _resolve(cfg)
     cols = table.names
-    for key in ("prompt_column", "answer_column", "id_column"):
+    for key in ("prompt_column", "answer_column", "id_column", "max_tokens_column"):
         col = getattr(cfg, key)
         if col is not None and col not in cols:
             raise DataError(f"data.{key}: column {col!r} is not in {source} (columns: {', '.join(cols)})")
     prompts = table.column(cfg.prompt_column)
     answers = table.column(cfg.answer_column)
     ids = table.column(cfg.id_column) if cfg.id_column else list(range(len(prompts)))
+    budgets = table.column(cfg.max_tokens_column) if cfg.max_tokens_column else [None] * len(prompts)
     rows, bad = [], []
-    for i, (p, a, pid) in enumerate(zip(prompts, answers, ids)):
+    for i, (p, a, pid, budget) in enumerate(zip(prompts, answers, ids, budgets)):
         problem = (_problem(p, cfg.prompt_column, "prompt") or _problem(a, cfg.answer_column, "answer")
-                   or (_problem(pid, cfg.id_column, "id") if cfg.id_column else None))
+                   or (_problem(pid, cfg.id_column, "id") if cfg.id_column else None)
+                   or (_budget_problem(budget, cfg.max_tokens_column) if cfg.max_tokens_column else None))
         if problem:
             bad.append(f"row {i}: {problem}")
             continue
         rows.append({"id": str(pid), "prompt": p, "answer": str(a)})
+        if cfg.max_tokens_column:
+            rows[-1]["max_new_tokens"] = int(budget)
     if bad and getattr(cfg, "on_bad_row", "error") != "skip":
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
         raise DataError(f"{source}: {'; '.join(bad[:5])}{more} ({len(bad)} bad row(s) of {len(prompts)}; "

@@ -181,6 +181,14 @@ def score_boxed(completion: str, answer: str, prompt: str = "", *, row: dict) ->
     return _score(last_boxed(completion), row)
 
 
+def score_first_boxed(completion: str, answer: str, prompt: str = "", *, row: dict) -> float:
+    """The task's score of the first `\\boxed{...}`: a pretrained model seldom ends its turn after answering
+    and writes on, other boxed numbers included."""
+    from app.rewards import first_boxed
+
+    return _score(first_boxed(completion), row)
+
+
 def score_whole(completion: str, answer: str, prompt: str = "", *, row: dict) -> float:
     """The task's score of the whole completion, stripped."""
     return _score(completion.strip(), row)

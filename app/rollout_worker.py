@@ -85,6 +85,7 @@ class RolloutWorker:
         self.rollout_retries = 0  # whole-group retries after a lost ingress / replica
         self.failed_groups = 0  # groups given up after those retries (their prompts come again)
         self.version_mismatches = 0  # completions whose adapter digest was not the published one
+        self._eos_ids: set[int] | None = None  # grpo.ignore_eos: where the model's own answer ends
         self._ingress = None  # DeploymentHandle of the app's ingress, taken when first needed
         self._published_sha: dict[int, str | None] = {}  # version -> the registry's digest of it
         self._mismatches_reported = False
@@ -147,7 +148,9 @@ class RolloutWorker:
             return await self.rollout_episodes(row)
         grpo = self.cfg.grpo
         prompt_ids = render_prompt(row, self.tokenizer, self.cfg.data)
-        sampling = {"max_tokens": grpo.max_new_tokens, "temperature": grpo.temperature, "top_p": grpo.top_p,
+        # a row may carry its own budget (data.max_tokens_column), never beyond grpo.max_new_tokens
+        max_tokens = min(grpo.max_new_tokens, row.get("max_new_tokens") or grpo.max_new_tokens)
+        sampling = {"max_tokens": max_tokens, "temperature": grpo.temperature, "top_p": grpo.top_p,
                     "logprobs": self._engine_logprobs()}
         if grpo.ignore_eos:
             sampling["ignore_eos"] = True
@@ -158,6 +161,8 @@ class RolloutWorker:
         if len(versions) != 1:  # the ingress pins one version per group; anything else is a bug upstream
             raise RuntimeError(f"group sampled under several versions {sorted(versions)}")
         await self._check_served(comps)
+        if grpo.ignore_eos:
+            comps = [dict(comp, text=self._reply_text(comp)) for comp in comps]
         rewards = await self._score(comps, row)
         advantages = group_advantages(torch.tensor([rewards]), scale_by_std=self.cfg.scale_advantages)[0].tolist()
         version = versions.pop()
@@ -215,6 +220,13 @@ class RolloutWorker:
                    for ep, reward, advantage in zip(episodes, rewards, advantages)]
         return Group(samples=samples, version=group_version(samples), prompt_id=row["id"], gen_seconds=gen_s,
                      gen_tokens=sum(ep.stats.sampled_tokens for ep in episodes))
+
+    def _reply_text(self, comp: dict) -> str:
+        """grpo.ignore_eos: what the model answered, the completion up to its first end-of-sequence token, is
+        what the reward scores (the tokens after it exist only to fix the length); all tokens are trained."""
+        if self._eos_ids is None:
+            self._eos_ids = eos_token_ids(self.cfg.model.path, self.tokenizer)
+        return text_until_eos(comp, self.tokenizer, self._eos_ids)
 
     def _engine_logprobs(self) -> bool:
         """Whether the group starting now asks the engine for behaviour logprobs: always in engine mode; in
@@ -358,6 +370,31 @@ class RolloutWorker:
             if self.metrics is not None:
                 self.metrics.log_rollout.remote(group.gen_tokens, group.gen_seconds,
                                                 sum(group.rewards) / len(group.samples), row.get("task"))
+
+
+def eos_token_ids(model_path: str, tokenizer) -> set[int]:
+    """The tokens that end a reply for the engine: the tokenizer's EOS and the model's generation config's
+    (vLLM stops on both)."""
+    ids = set()
+    for value in (getattr(tokenizer, "eos_token_id", None), _generation_eos(model_path)):
+        ids.update([value] if isinstance(value, int) else list(value or []))
+    return ids
+
+
+def text_until_eos(comp: dict, tokenizer, eos_ids: set[int]) -> str:
+    """A completion's text up to its first end-of-sequence token (all of it when it has none)."""
+    ids = comp["token_ids"]
+    cut = next((i for i, t in enumerate(ids) if t in eos_ids), None)
+    return comp["text"] if cut is None else tokenizer.decode(ids[:cut], skip_special_tokens=True)
+
+
+def _generation_eos(model_path: str):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        return None
 
 
 def partial_fields(comp: dict) -> dict:

@@ -531,6 +531,11 @@ def phase_pipeline(args, work: Path, model: Path, out: Path) -> dict:
     if a.get("step_seconds_mean") and s.get("step_seconds_mean"):
         # Steps per hour, async over sync: the same work per step.
         res[f"async_vs_sync_{gpus}gpu"] = s["step_seconds_mean"] / a["step_seconds_mean"]
+    for partial in ("async-partial", "async-partial-mps"):
+        if runs.get(partial, {}).get("step_seconds_mean") and a.get("step_seconds_mean"):
+            res[f"partial_vs_async_{gpus}gpu"] = a["step_seconds_mean"] / runs[partial]["step_seconds_mean"]
+    if args.length_tail:
+        res["length_tail"] = args.length_tail
     if runs.get("async-mps", {}).get("step_seconds_mean"):
         res[f"step_seconds_{gpus}gpu_mps_p50"] = runs["async-mps"]["step_seconds_p50"]
         res[f"step_seconds_{gpus}gpu_mps_mean"] = runs["async-mps"]["step_seconds_mean"]
@@ -542,10 +547,15 @@ def _pipeline_mode(args, work: Path, model: Path, out: Path, gpus: int, mode: st
     key = f"{mode}-mps" if args.mps else mode
     data = work / "prompts.jsonl"
     _write_prompts(data, model)
+    sets = list(args.pipeline_set)
+    if args.length_tail:  # issue 42: each prompt its own long-tailed length (benchmarks/length_tail.py)
+        sets += _length_tail(data, args.length_tail)
+    if mode == "async-partial":
+        mode, sets = "async", [*sets, "rollout.partial=true"]
     steps = args.pipeline_steps if mode == "async" else (args.sync_steps or args.pipeline_steps)
     cmd = [sys.executable, __file__, "_run", "--model", str(model), "--mode", mode, "--data", str(data),
            "--steps", str(steps), "--gpus", str(gpus), "--out", str(work / f"run-{key}.json"),
-           *[a for kv in args.pipeline_set for a in ("--set", kv)]]
+           *[a for kv in sets for a in ("--set", kv)]]
     limit = _time_left(args)
     if limit is not None:
         cmd += ["--deadline-s", f"{max(limit - STOP_GRACE_S, 30.0):.0f}"]
@@ -668,6 +678,18 @@ def _write_prompts(path: Path, model: Path) -> None:
         for i in range(512):
             text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n))
             f.write(json.dumps({"id": f"p{i}", "prompt": text, "answer": "a"}) + "\n")
+
+
+def _length_tail(data: Path, spec: str) -> list[str]:
+    """Rewrite the prompts with a long-tailed `max_new_tokens` each; the config keys that use it."""
+    from benchmarks.length_tail import COLUMN, draw_lengths, parse_spec, with_lengths, write_jsonl
+
+    tail = parse_spec(spec)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    write_jsonl(data, with_lengths(rows, draw_lengths(len(rows), tail["median"], tail["sigma"], tail["hi"],
+                                                      tail["lo"], seed=0)))
+    return [f"data.max_tokens_column={COLUMN}", f"grpo.max_new_tokens={tail['hi']}",
+            f"model.max_model_len={WORKLOAD['prompt_tokens'] + tail['hi'] + 16}"]
 
 
 def pipeline_run(model: str, mode: str, data: str, steps: int, gpus: int, out: str, extra: list[str],
@@ -831,7 +853,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--trainer-steps", type=int, default=5)
     p.add_argument("--pipeline-steps", type=int, default=12)
     p.add_argument("--sync-steps", type=int, default=8, help="steps of the sync comparison run")
-    p.add_argument("--modes", default="async,sync", help="pipeline phase: which runs")
+    p.add_argument("--modes", default="async,sync", help="pipeline phase: which runs (async, sync, async-partial: "
+                                                          "async with rollout.partial)")
+    p.add_argument("--length-tail", default="", metavar="MEDIAN:SIGMA:MAX",
+                   help="pipeline phase: each prompt's completion length drawn log-normal, clipped to MAX "
+                        "(issue 42's length-tailed shape, e.g. 400:1.0:3000; default: every completion 1,024)")
     p.add_argument("--trainer-set", action="append", default=[], help="trainer phase: config KEY=VALUE")
     p.add_argument("--pipeline-set", action="append", default=[],
                    help="pipeline phase: config KEY=VALUE, after the measured-best defaults "

@@ -7,6 +7,8 @@ Ray cluster limited to the run's GPU count:
     python -m benchmarks.gpu_runs qwen-2x    #   tokens, rank 1, 20 steps, default micro-batching
     python -m benchmarks.gpu_runs small-1x --merge   # the same with sync.mode=merge
     python -m benchmarks.gpu_runs small-multiturn-1x # the small model plays LetterHunt (two turns) on one GPU
+    python -m benchmarks.gpu_runs small-judge-1x     # gpu-1x with a judge reward (its own base model as judge)
+    python -m benchmarks.gpu_runs gemma-rgym-1x      # Gemma 3 270M on reasoning-gym chain_sum
 
 Each run adds a record to OUT/gpu_runs.json (reward z-test, step-1 trainer/vLLM log ratio, step times,
 micro-batches, peak memory, publish latency) with the command that made it. CPU smoke: `--smoke`
@@ -29,8 +31,18 @@ QWEN = ["model.path=runs/qwen2.5-1.5b-model", "model.tiny_shape=qwen2.5-1.5b", "
 # recipes/tiny-multiturn.yaml's task on the GPU recipe: episodes of up to two turns, rewards from the environment.
 MULTITURN = ["data.path=builtin:letter-hunt", "env.cls=app.builtin_envs:LetterHunt", "env.max_turns=2",
              "reward.fn=null", "eval.path=builtin:letter-hunt-heldout", "eval.every=10", "eval.samples=128"]
+# A judge reward on the GPU (issue 39): recipes/judge-cpu.yaml's judge on the GPU recipe, the run's own base model
+# (adapter off) asked through the run's own replica; the judge metrics (judge_calls, judge_parse_failures, ...) are
+# on the step rows.
+JUDGE = ["reward.judge.template=Is the answer {answer}? The reply was: {completion}. Reply Y or N.",
+         "reward.judge.parse={kind: words, yes: [Y, yes], no: [N, no]}", "reward.judge.weight=0.5",
+         "reward.judge.max_tokens=2", "reward.judge.temperature=0.0", "reward.judge.timeout_s=30",
+         "reward.judge.max_concurrency=64", "train.total_steps=30"]
 RUNS = {
     "small-1x": ("recipes/gpu-1x.yaml", [], 1),
+    "small-judge-1x": ("recipes/gpu-1x.yaml", JUDGE, 1),
+    # reasoning-gym's chain_sum on Gemma 3 270M (issue 39); runs/gemma3-270m first: benchmarks.real_model --import-only
+    "gemma-rgym-1x": ("recipes/gemma3-270m-reasoning-gym.yaml", [], 1),
     "small-multiturn-1x": ("recipes/gpu-1x.yaml", MULTITURN, 1),
     "small-2x": ("recipes/gpu-2x.yaml", [], 2),
     "qwen-1x": ("recipes/gpu-1x.yaml", QWEN, 1),
@@ -99,27 +111,44 @@ def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command
             "handover_evict_seconds", "handover_write_seconds")},
         "expired_groups": rows[-1].get("rollout_expired_groups", 0) if rows else None,
         "dropped_samples": rows[-1].get("dropped_samples") if rows else None,
+        # rollout.partial (per step): samples continued under a newer version, and the prefill it redid
+        "partial_resumed": sum(r.get("partial_resumed", 0) for r in rows),
+        "tokens_regenerated": sum(r.get("tokens_regenerated", 0) for r in rows),
         "published": sum(r.get("published", 0) for r in rows), "aliased": sum(r.get("aliased", 0) for r in rows),
         "final_version": rows[-1].get("version") if rows else None,
         "trainer_idle_fraction": summary.get("trainer_idle_fraction"),
         "generation_idle_fraction": summary.get("generation_idle_fraction"),
-        **_multiturn(rows, summary),
+        **_multiturn(rows, summary), **_judge(rows), **_eval(summary),
     }
+
+
+def _judge(rows: list[dict]) -> dict:
+    """Judge metrics of a run with reward.judge (none otherwise): the run's totals (each row has them so far)."""
+    if not any("judge_calls" in r for r in rows):
+        return {}
+    return {**{k: max(r.get(k, 0) for r in rows) for k in ("judge_calls", "judge_parse_failures", "judge_timeouts",
+                                                            "judge_errors")},
+            "judge_seconds_p50": _p50([r.get("judge_seconds") for r in rows]),
+            "reward_judge_first": rows[0].get("reward_judge"), "reward_judge_last": rows[-1].get("reward_judge")}
+
+
+def _eval(summary: dict) -> dict:
+    """Held-out accuracy at the first and the last evaluation, and the curve (step, accuracy)."""
+    evals = [(h["eval/step"], h["eval/accuracy"]) for h in summary.get("eval_history", [])]
+    return {"eval_accuracy_first": evals[0][1], "eval_accuracy_last": evals[-1][1], "eval_curve": evals} \
+        if evals else {}
 
 
 def _multiturn(rows: list[dict], summary: dict) -> dict:
     """Episode metrics of a multi-turn run (none for single-turn rows)."""
     if not rows or "episode_turns_mean" not in rows[0]:
         return {}
-    evals = [(h["eval/step"], h["eval/accuracy"]) for h in summary.get("eval_history", [])]
     hits = sorted(k for r in rows for k in r if k.startswith("prefix_hit_turn"))
     return {"episode_turns_mean_p50": _p50([r["episode_turns_mean"] for r in rows]),
             "episode_truncated": sum(r.get("episode_truncated", 0) for r in rows),
             "env_tokens_fraction_p50": _p50([r.get("env_tokens_fraction") for r in rows]),
             "env_errors": rows[-1].get("env_errors", 0),
-            **{f"{k}_p50": _p50([r.get(k) for r in rows]) for k in dict.fromkeys(hits)},
-            "eval_accuracy_first": evals[0][1] if evals else None,
-            "eval_accuracy_last": evals[-1][1] if evals else None, "eval_curve": evals}
+            **{f"{k}_p50": _p50([r.get(k) for r in rows]) for k in dict.fromkeys(hits)}}
 
 
 def main(argv=None) -> int:

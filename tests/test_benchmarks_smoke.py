@@ -121,3 +121,12 @@ def test_node_loss_quick(tmp_path):
                                  "prompts_replayed", "prompts_skipped")} == dict.fromkeys(
         ("step_rows_duplicated", "step_rows_missing", "samples_lost", "samples_doubled", "prompts_replayed",
          "prompts_skipped"), 0)
+
+
+@pytest.mark.bench
+def test_length_tail_quick(tmp_path):
+    """The three runs on the same long-tailed lengths; their lengths are recorded beside the results."""
+    doc = run_quick("length_tail", tmp_path, timeout=900)
+    assert set(doc["results"]) == {"sync", "async", "async-partial"}
+    assert all(r["steps"] == doc["steps"] for r in doc["results"].values())
+    assert doc["lengths"]["max"] <= doc["length_tail"]["hi"] and doc["lengths"]["p50"] < doc["lengths"]["max"]

@@ -121,3 +121,20 @@ def test_config_keys_validated():
         C.load(None, ["data.on_bad_row=ignore"])
     cfg = C.load(None, ["data.on_bad_row=skip", "data.split=test"])
     assert (cfg.data.on_bad_row, cfg.data.split) == ("skip", "test")
+
+
+def test_a_row_budget_column_is_read_and_checked(tmp_path):
+    """data.max_tokens_column: each row its own completion budget (the length-tailed benchmark's lengths)."""
+    path = tmp_path / "budgets.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}?", "answer": "a", "n": n}) + "\n"
+                            for i, n in enumerate([3, 40, 0, "7", True])))
+    with pytest.raises(DataError) as e:
+        load_prompts(_cfg(path, max_tokens_column="n"))
+    for part in ("row 2: column 'n' must be a positive integer", "row 3: column 'n' must be a positive integer",
+                 "row 4: column 'n'", "3 bad row(s) of 5"):
+        assert part in str(e.value), (part, str(e.value))
+    rows = load_prompts(_cfg(path, max_tokens_column="n", on_bad_row="skip"))
+    assert [r["max_new_tokens"] for r in rows] == [3, 40]
+    assert "max_new_tokens" not in load_prompts(_cfg(path))[0]
+    with pytest.raises(DataError, match="data.max_tokens_column: column 'budget' is not in"):
+        load_prompts(_cfg(path, max_tokens_column="budget"))

@@ -245,3 +245,29 @@ def test_rest_keys_come_from_this_runs_documents_even_one_stopped_after_its_pass
     assert res["rest_vs_vllm_serve"] == pytest.approx(0.7) and res["rest_vs_vllm_front"] == pytest.approx(0.98)
     assert "all 12 passes" in res["rest_finished_from_partial"]["reason"] and "rest_error" not in res
     assert res["rest"]["endpoints"]["chat"]["ratio_runs"] == [pytest.approx(0.7)]
+
+
+def test_records_carry_judge_partial_and_eval_results():
+    """A judge run's totals (running totals on each row), partial rollouts' per-step counts summed, and the
+    held-out curve: what the GPU records of issues 39 and 42 are read from."""
+    import types
+
+    from benchmarks.gpu_runs import record
+
+    rows = [{"step": 1, "step_seconds": 1.0, "reward_mean": 0.2, "judge_calls": 64, "judge_parse_failures": 3,
+             "judge_timeouts": 0, "judge_errors": 0, "judge_seconds": 0.5, "reward_judge": 0.25,
+             "partial_resumed": 4, "tokens_regenerated": 400},
+            {"step": 2, "step_seconds": 1.0, "reward_mean": 0.4, "judge_calls": 128, "judge_parse_failures": 5,
+             "judge_timeouts": 1, "judge_errors": 0, "judge_seconds": 0.7, "reward_judge": 0.5,
+             "partial_resumed": 2, "tokens_regenerated": 150}]
+    ns = types.SimpleNamespace
+    cfg = ns(grpo=ns(prompts_per_step=16, group_size=8), model=ns(tiny_shape="small", build_tiny=True, path="/m"),
+             sync=ns(mode="adapter"))
+    summary = {"eval_history": [{"eval/step": 0, "eval/accuracy": 0.25}, {"eval/step": 10, "eval/accuracy": 0.4}]}
+    rec = record("small-judge-1x", cfg, rows, summary, 10.0, "")
+    assert (rec["judge_calls"], rec["judge_parse_failures"], rec["judge_timeouts"]) == (128, 5, 1)
+    assert (rec["reward_judge_first"], rec["reward_judge_last"]) == (0.25, 0.5)
+    assert (rec["partial_resumed"], rec["tokens_regenerated"]) == (6, 550)
+    assert (rec["eval_accuracy_first"], rec["eval_accuracy_last"]) == (0.25, 0.4)
+    assert "judge_calls" not in record("small-1x", cfg, [{"step": 1, "step_seconds": 1.0, "reward_mean": 0}], {},
+                                       1.0, "")

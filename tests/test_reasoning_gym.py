@@ -49,6 +49,7 @@ def test_default_reward_is_the_tasks_checker_on_the_extracted_answer():
     assert _arith().reward.fn == "app.reasoning_gym_tasks:score_answer_tag"
     assert _arith(reward={"extract": "boxed"}).reward.fn == "app.reasoning_gym_tasks:score_boxed"
     assert _arith(reward={"extract": "none"}).reward.fn == "app.reasoning_gym_tasks:score_whole"
+    assert _arith(reward={"extract": "first_boxed"}).reward.fn == "app.reasoning_gym_tasks:score_first_boxed"
     assert _arith(reward={"fn": "app.rewards:boxed_math_reward"}).reward.fn == "app.rewards:boxed_math_reward"
     assert from_dict(_arith(reward={"extract": "boxed"}).to_dict()).reward.fn.endswith("score_boxed")
     assert _cfg().reward.fn == "app.rewards:letter_reward"  # other data: unchanged
@@ -70,6 +71,9 @@ def test_rewards_score_with_the_tasks_partial_credit():
     assert last < 1.0 and last == pytest.approx(own(wrong, row["entry"]))
     assert tag(right, row) == 0.0  # no tag, no answer
     assert boxed(f"so \\boxed{{{right}}}", row) == 1.0 and boxed(f"<answer>{right}</answer>", row) == 0.0
+    first = load_scorer("app.reasoning_gym_tasks:score_first_boxed")
+    assert first(f"\\boxed{{{right}}}. Next: \\boxed{{{wrong}}}", row) == 1.0
+    assert boxed(f"\\boxed{{{right}}}. Next: \\boxed{{{wrong}}}", row) < 1.0
     assert whole(f"  {right}\n", row) == 1.0 and whole("seven", row) == pytest.approx(own("seven", row["entry"]))
     spell = load_prompts(_cfg(data={"path": "reasoning-gym:spell_backward", "builtin_size": 4}).data)
     r = next(r for r in spell if len(r["answer"]) > 3)

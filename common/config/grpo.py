@@ -51,7 +51,8 @@ class GRPOConfig(Section):
                                "under the same truncated distribution vLLM samples from "
                                "(train_loops/head_logprobs.py), so the importance ratio stays unbiased.", gt=0, le=1)
     ignore_eos: bool = option(False, "Generate exactly max_new_tokens per completion (speed benchmarks; "
-                                     "length-controlled runs).")
+                                     "length-controlled runs). The reward scores the reply up to the model's "
+                                     "first end-of-sequence token; every token is trained.")
     max_new_tokens: int = option(16, "Max completion tokens.", ge=1)
 
     def problems(self) -> list[str]:

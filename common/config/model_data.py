@@ -45,6 +45,9 @@ class DataConfig(Section):
     prompt_column: str = option("prompt", "Column holding the prompt text.")
     answer_column: str = option("answer", "Column holding the reference answer given to the reward.")
     id_column: str | None = option(None, "Optional column with a stable prompt id (row index otherwise).")
+    max_tokens_column: str | None = option(
+        None, "Optional column with a row's own completion budget, a positive integer (capped at "
+              "grpo.max_new_tokens): long-tailed lengths, as `benchmarks/bench_length_tail.py` draws them.")
     system_prompt: str | None = option(None, "System message put before every prompt by the chat template.")
     few_shot: list[dict] = option(
         [], "Solved examples put before every prompt as earlier turns, each `{prompt: ..., answer: ...}` (a user "
@@ -95,7 +98,8 @@ class RewardConfig(Section):
     where: RewardPlace = option("worker", "Run rewards in the rollout worker (`worker`) or as Ray tasks (`task`).")
     extract: AnswerExtract | None = option(
         None, "reasoning-gym data: what part of the completion the task's own checker scores: `answer_tag` "
-              "(the last <answer>...</answer>; the default), `boxed` (the last \\boxed{}) or `none` (all of it). "
+              "(the last <answer>...</answer>; the default), `boxed` (the last \\boxed{}), `first_boxed` (the first: "
+              "a pretrained model that writes on after answering) or `none` (all of it). "
               "With reasoning-gym data and reward.fn unset, reward.fn becomes that checker (docs/TASKS.md).")
     fn_weight: float = option(1.0, "reward.fn's weight in the reward when a judge scores too (reward.judge.weight).",
                               ge=0)

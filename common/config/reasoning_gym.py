@@ -6,10 +6,12 @@ from __future__ import annotations
 from typing import Literal
 
 REASONING_GYM = "reasoning-gym:"  # data.path / eval.path prefix of a reasoning-gym task
-AnswerExtract = Literal["answer_tag", "boxed", "none"]
+AnswerExtract = Literal["answer_tag", "boxed", "first_boxed", "none"]
 # reward.extract -> the reasoning-gym reward that scores that part of the completion
 REASONING_GYM_REWARDS = {"answer_tag": "app.reasoning_gym_tasks:score_answer_tag",
-                         "boxed": "app.reasoning_gym_tasks:score_boxed", "none": "app.reasoning_gym_tasks:score_whole"}
+                         "boxed": "app.reasoning_gym_tasks:score_boxed",
+                         "first_boxed": "app.reasoning_gym_tasks:score_first_boxed",
+                         "none": "app.reasoning_gym_tasks:score_whole"}
 MIX_KEYS = {"path", "weight", "args"}
 
 
