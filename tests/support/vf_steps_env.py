@@ -3,7 +3,8 @@ the model is asked for a letter, the environment answers each reply with feedbac
 and the next letter to say, for `turns` turns. The module exports its `Taskset` and its own `Env`, whose `run()`
 drives the exchange through `agents.player.interaction(task)` as verifiers' TextArena env does; the rubric is an
 exact-match `@vf.reward` on the last reply plus a `record_reward` in `run()` (the fraction of turns answered
-right). `env.verifiers: vf_steps_env` (tests/support on the import path)."""
+right). `env.verifiers: vf_steps_env` (tests/support on the import path). `fail_after: N` (for the tests) makes
+run() raise after N turns, the way an environment with a bug does."""
 from __future__ import annotations
 
 import random
@@ -27,6 +28,7 @@ class StepsTasksetConfig(vf.TasksetConfig):
     size: int = 64
     turns: int = 3
     seed: int = 0
+    fail_after: int = 0
 
 
 class StepsTaskset(vf.Taskset[StepsTask, StepsTasksetConfig]):
@@ -50,6 +52,8 @@ class StepsEnv(vf.Env[StepsEnvConfig]):
             for k in range(len(answers)):
                 if segment.terminated:
                     break
+                if k + 1 == self.taskset.config.fail_after:
+                    raise RuntimeError(f"environment bug on purpose after turn {k + 1}")
                 hit = segment.last_reply == answers[k]
                 right += hit
                 if k + 1 == len(answers):
