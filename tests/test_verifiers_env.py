@@ -105,7 +105,8 @@ def test_a_multi_turn_environment_plays_its_own_run(tiny_model_dir, tmp_path):
     rollout = EpisodeRollout(cfg, tok)
     ep = asyncio.run(rollout.play(row, generate))
     assert ep.stats.turns == 3 and not ep.stats.truncated and ep.stats.retokenized_turns == 0
-    feedback = [f"Right. Now say the letter {answers[1]}.", f"No, it was {answers[1]}. Now say the letter {answers[2]}."]
+    feedback = [f"Right. Now say the letter {answers[1]}.",
+                f"No, it was {answers[1]}. Now say the letter {answers[2]}."]
     assert [m["content"] for m in ep.messages if m["role"] == "user"] == [row["prompt"], *feedback]
     for k in (1, 2):  # the engine's prompt k: prompt k-1 + its sampled ids + the feedback's chat tokens
         prev = ep.turns[k - 1]
@@ -288,3 +289,31 @@ def test_a_short_run_trains_on_the_verifiers_environment(serve_env, tmp_path):
         assert 0.0 <= r["reward/starts_with_answer"] <= 1.0 and r["reward/starts_with_answer"] >= r["reward_mean"]
         assert r["retokenized_turns"] == 0 and r["episode_turns_mean"] == 1.0
     assert rows[0]["log_ratio_abs_max"] <= 5e-5  # step 1: the trained ids and logprobs are the engine's
+
+
+@pytest.mark.slow
+def test_a_short_run_trains_on_the_multi_turn_environment(serve_env, tmp_path):
+    """Real Ray, Serve, vLLM, DeepSpeed: vf_steps_env's own run() plays 3-turn episodes whose turns are sampled
+    by the episode loop under the pinned version; every step's row carries each reward's mean score, and what the
+    trainer got is, turn by turn, what the engine saw and sampled."""
+    from app import driver
+
+    cfg = C.load("recipes/verifiers-cpu.yaml", [
+        f"model.path={serve_env.model_dir}", "model.build_tiny=false", f"run.out_dir={tmp_path}", "run.name=vfmt",
+        "env.verifiers=vf_steps_env", 'env.args={"size": 32, "turns": 3}', "env.max_turns=3",
+        "train.total_steps=2", "train.num_workers=1", "train.cpus_per_worker=0.5", "rollout.replicas=1",
+        "rollout.cpus_per_replica=0.5", "grpo.prompts_per_step=4", "grpo.group_size=4", "checkpoint.every=0",
+        f"rollout.http_port={serve_env.http_port}", "run.stall_timeout_s=300"])
+    summary = driver.run(cfg, progress=False)
+    assert summary["steps"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "vfmt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        # the GRPO reward is the weighted sum: @vf.reward last_exact (0.5) + run()'s record_reward steps_right (0.5)
+        assert r["reward_mean"] == pytest.approx(0.5 * r["reward/last_exact"] + 0.5 * r["reward/steps_right"])
+        assert r["episode_turns_mean"] == 3.0 and 0 < r["env_tokens_fraction"] < 1
+        # per turn, the engine's prompt is the previous turn's prompt + its sampled ids + the feedback's tokens
+        assert r["retokenized_turns"] == 0
+    # step 1 scores the base weights the episodes were sampled under: the trainer's logprob of every sampled token
+    # of every turn equals the engine's, so the ids it trained on are the engine's, turn by turn
+    assert rows[0]["log_ratio_abs_max"] <= 5e-5
