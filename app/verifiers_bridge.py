@@ -113,9 +113,9 @@ class Agents:
         self._seat = Seat(bridge)
 
     def __getattr__(self, name: str):
-        seat = self.__dict__["_seat"]
-        if name != seat.name:
-            raise AttributeError(f"no agent {name!r}; this environment's seat is {seat.name!r}")
+        seat = self.__dict__.get("_seat")  # not through getattr: a copy without __init__ must not recurse
+        if seat is None or name != seat.name:
+            raise AttributeError(f"no agent {name!r}; this environment's seat is {getattr(seat, 'name', None)!r}")
         return seat
 
 

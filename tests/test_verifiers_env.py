@@ -302,7 +302,7 @@ def test_a_short_run_trains_on_the_multi_turn_environment(serve_env, tmp_path):
         f"model.path={serve_env.model_dir}", "model.build_tiny=false", f"run.out_dir={tmp_path}", "run.name=vfmt",
         "env.verifiers=vf_steps_env", 'env.args={"size": 32, "turns": 3}', "env.max_turns=3",
         "train.total_steps=2", "train.num_workers=1", "train.cpus_per_worker=0.5", "rollout.replicas=1",
-        "rollout.cpus_per_replica=0.5", "grpo.prompts_per_step=4", "grpo.group_size=4", "checkpoint.every=0",
+        "rollout.cpus_per_replica=0.5", "grpo.prompts_per_step=2", "grpo.group_size=4", "checkpoint.every=0",
         f"rollout.http_port={serve_env.http_port}", "run.stall_timeout_s=300"])
     summary = driver.run(cfg, progress=False)
     assert summary["steps"] == 2
