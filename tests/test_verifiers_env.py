@@ -1,8 +1,10 @@
 """verifiers environments as the run's episodes (app/verifiers_env.py): a third-party environment module
 (tests/support/vf_letters_env.py, installed here by putting tests/support on the import path, the way a pip
 package would be) loads through verifiers' own loader, its tasks become the prompts, its rubric scores the
-episode (weighted sum, each function's score on the step metrics); bad environments fail at validation; the
-re-tokenization detector; and a short real run (Ray, Serve, vLLM, DeepSpeed) trains on the environment."""
+episode (weighted sum, each function's score on the step metrics); a multi-turn environment (vf_steps_env: its own
+Env.run() through app/verifiers_bridge.py) plays its turns through the episode loop, ends on max_turns, fails only
+its episode when run() raises and leaves no run() behind; bad environments fail at validation; the
+re-tokenization detector; and short real runs (Ray, Serve, vLLM, DeepSpeed) train on both environments."""
 from __future__ import annotations
 
 import asyncio
