@@ -4,7 +4,9 @@ Per episode the rollout worker builds `Class(row)` with the data row, then
 - `reset() -> list[dict]`: the opening messages (chat format: {role, content});
 - `step(assistant_text: str) -> {"observations": list[dict], "reward": float | None, "done": bool}`:
   the messages to append (tool results have role `tool`), this turn's reward, whether the episode ended;
-- optionally a `tools` attribute: tool schemas (app/tools.ToolBox.schemas) the chat template renders.
+- optionally a `tools` attribute: tool schemas (app/tools.ToolBox.schemas) the chat template renders;
+- optionally `close()`: called once however the episode ends (done, truncated, failed, cancelled), and a
+  `truncated` attribute: true when the environment ended the episode by its own limit.
 `async def` versions are awaited. Shapes are checked here: a wrong one fails its episode with the reason
 (`EnvError`), never the worker; a class that cannot be loaded fails the run at start-up (`load_env`).
 """

@@ -127,7 +127,18 @@ class Episode:
 
 async def run_episode(env, chat: ChatTokens, generate: Generate, *, max_turns: int, max_tokens_per_turn: int,
                       max_episode_tokens: int, timeout_s: float) -> Episode:
-    """Play one episode of `env` (module docstring). Raises EnvError when the environment fails."""
+    """Play one episode of `env` (module docstring). Raises EnvError when the environment fails. An environment's
+    optional `close()` is awaited however the episode ends (done, truncated, failed or cancelled)."""
+    try:
+        return await _play(env, chat, generate, max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
+                           max_episode_tokens=max_episode_tokens, timeout_s=timeout_s)
+    finally:
+        if callable(getattr(env, "close", None)):
+            await _env_call(env.close, timeout_s=timeout_s, where=f"{type(env).__name__}.close()")
+
+
+async def _play(env, chat: ChatTokens, generate: Generate, *, max_turns: int, max_tokens_per_turn: int,
+                max_episode_tokens: int, timeout_s: float) -> Episode:
     name = type(env).__name__
     opening = check_messages(await _env_call(env.reset, timeout_s=timeout_s, where=f"{name}.reset()"),
                              f"{name}.reset()")
@@ -171,6 +182,7 @@ def _checked(ep: Episode, env) -> Episode:
     from app.token_continuity import retokenized_turns
 
     ep.stats.rewards = {str(k): float(v) for k, v in (getattr(env, "reward_parts", None) or {}).items()}
+    ep.stats.truncated = ep.stats.truncated or bool(getattr(env, "truncated", False))  # ended by its own limit
     ep.stats.retokenized_turns = len(retokenized_turns(ep.turns))
     if ep.stats.retokenized_turns:
         ep.mask = [0] * len(ep.mask)

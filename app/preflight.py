@@ -59,11 +59,11 @@ def verifiers_prompts(cfg: Config) -> list[dict]:
     """A verifiers environment's tasks as the prompts (app/verifiers_env.py), its first episode built and reset:
     one ConfigError naming env.verifiers (not installed, unknown id, no tasks, no rubric) before any engine."""
     from app.envs import check_messages
-    from app.verifiers_env import VerifiersError, episode_class, verifiers_rows
+    from app.verifiers_env import VerifiersError, first_prompt, verifiers_rows
 
     try:
         rows = verifiers_rows(cfg.env, cfg.data.builtin_size)
-        check_messages(episode_class(cfg.env)(rows[0]).reset(), "env.verifiers: the first task's prompt")
+        check_messages(first_prompt(cfg.env, rows[0]), "env.verifiers: the first task's prompt")
     except VerifiersError as e:
         raise ConfigError([str(e)]) from None
     return rows

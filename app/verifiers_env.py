@@ -4,10 +4,12 @@ The environment is loaded the way verifiers loads it (`verifiers.v1.resolve_env_
 `load_environment` with `taskset={"id": ID, **args}`): the module named ID exports one `Taskset`, whose
 tasks become the run's data rows (each row carries its task's wire data, so a worker rebuilds the task
 without the taskset), and whose `Task` class holds the rubric (`@vf.reward` functions and their weights).
-Each episode is one `VerifiersEpisode(row)` behind the project's episode protocol (app/envs.py), so it is
-sampled token-exactly under the group's pinned version (app/episodes.py); its reply is committed into a
-verifiers `Trace` (its own turn graph) and scored by `Task.score`: the weighted sum of the rewards is the
-GRPO reward, each function's score goes to the step metrics as `reward/NAME`.
+Each episode is one `VerifiersEpisode(row)` behind the project's episode protocol (app/envs.py): the environment's
+own `Env.run(task, agents)` plays it (`SingleAgentEnv`'s one turn, or a module's `Env` subclass driving a
+multi-turn exchange), every turn of its one seat sampled token-exactly under the group's pinned version by the
+episode loop (app/episodes.py, through app/verifiers_bridge.py); the replies are committed into a verifiers
+`Trace` (its own turn graph) and scored by `Task.score` (+ run()'s `record_reward`s and `finalize`): the
+weighted sum of the rewards is the GRPO reward, each reward's score goes to the step metrics as `reward/NAME`.
 
 verifiers is imported lazily: a run without `env.verifiers` never needs it, and one that needs it
 without it installed gets one error naming the extra.
@@ -70,7 +72,7 @@ def verifiers_rows(env_cfg, limit: int) -> list[dict]:
         rows.append({"id": str(data.id if data.id is not None else data.idx), "prompt": data.prompt_text,
                      "answer": str(getattr(data, "answer", "") or ""),
                      "vf_task": data.model_dump(mode="json")})
-        if len(rows) == 1 and not reward_names(task):
+        if len(rows) == 1 and not reward_names(task) and _single_agent(env):  # an Env's run() may record_reward
             raise VerifiersError(f"env.verifiers: {env_cfg.verifiers!r}: its task {type(task).__name__} has no "
                                  "@vf.reward function (no rubric to train on)")
     if not rows:
@@ -79,66 +81,92 @@ def verifiers_rows(env_cfg, limit: int) -> list[dict]:
     return rows
 
 
+def _single_agent(env) -> bool:
+    from verifiers.v1.envs.single_agent.env import SingleAgentEnv
+
+    return isinstance(env, SingleAgentEnv)
+
+
 def episode_class(env_cfg) -> type:
-    """A class of the episode protocol (app/envs.py) over `env_cfg`'s verifiers environment."""
+    """A class of the episode protocol (app/envs.py) over `env_cfg`'s verifiers environment. VerifiersError when
+    the environment declares more than one seat (only one is trained; see VerifiersEpisode)."""
     env = load(env_cfg)
-    return type("VerifiersEpisode", (VerifiersEpisode,), {"env": env, "__module__": __name__})
+    seats = list(env._agent_specs)  # verifiers 0.4.0 keeps the seats on the Env (pinned by the envs extra)
+    if len(seats) != 1:
+        raise VerifiersError(f"env.verifiers: {env_cfg.verifiers!r}: {type(env).__name__} declares the seats "
+                             f"{seats}; only environments with one seat (the trained policy) run here")
+    return type("VerifiersEpisode", (VerifiersEpisode,), {"env": env, "max_turns": env_cfg.max_turns,
+                                                          "__module__": __name__})
+
+
+def first_prompt(env_cfg, row: dict) -> list[dict]:
+    """The opening messages of `row`'s episode (start-up check): run() is started and cancelled at its first turn."""
+    import asyncio
+
+    async def opening():
+        episode = episode_class(env_cfg)(row)
+        try:
+            return await episode.reset()
+        finally:
+            await episode.close()
+
+    try:
+        return asyncio.run(opening())
+    except Exception as e:
+        raise VerifiersError(f"env.verifiers: {env_cfg.verifiers!r}: the first task's episode failed to start: "
+                             f"{type(e).__name__}: {e}") from None
 
 
 class VerifiersEpisode:
-    """One task of a verifiers environment as an episode: `reset()` is the task's prompt as its harness
-    places it (system prompt, then the prompt text or messages), `step(reply)` commits the reply into a
-    verifiers Trace and scores it with the task's rubric. Single-turn: the episode is done after one reply.
-    `reward_parts` holds each reward function's score after the step."""
+    """One task of a verifiers environment as an episode (app/verifiers_bridge.py): the environment's own
+    `run(task, agents)` plays it, each turn() of its seat sampled by the episode loop. `reset()` starts run() and
+    returns the first turn's messages (the task's prompt as its harness places it); `step(reply)` answers that
+    turn and returns when run() asks for the next one (its new messages are the observations) or has finished
+    (done; the reward is the trace's weighted reward after `Task.score`, `reward_parts` each reward's score).
+    The seat's `max_turns` (env.max_turns, or the seat's own if lower) ends the exchange: the next turn() gets a
+    terminated Segment. `close()` (the episode loop calls it in any case) cancels a run() still going."""
 
     env = None  # the verifiers Env, set by episode_class
+    max_turns = 1
 
     def __init__(self, row: dict):
+        from app.verifiers_bridge import Bridge
+
         env = self.env
         task_cls = type(env.taskset).task_type()
-        # The seat's harness and agent config: verifiers 0.4.0 keeps them on the Env (pinned by the envs extra).
         self.task = task_cls(task_cls.data_type().model_validate(row["vf_task"]), env.taskset.config.task)
-        self.harness = env._harnesses.get("agent") or next(iter(env._harnesses.values()))
-        self.agent_config = env._agent_specs.get("agent") or next(iter(env._agent_specs.values()))
-        self.prompt = self._prompt_messages()
+        (seat, agent_config), = env._agent_specs.items()
+        max_turns = min(self.max_turns, agent_config.max_turns or self.max_turns)
+        self.bridge = Bridge(env, self.task, seat=seat, harness=env._harnesses[seat], agent_config=agent_config,
+                             max_turns=max_turns)
         self.reward_parts: dict[str, float] = {}
+        self.truncated = False
 
-    def _prompt_messages(self) -> list:
-        from verifiers.v1.types import SystemMessage, UserMessage
+    async def reset(self) -> list[dict]:
+        from app.verifiers_bridge import RunFailed
 
-        system, prompt = self.harness.resolve_prompt(self.task.data)
-        messages = [SystemMessage(content=system)] if system else []
-        if isinstance(prompt, str):
-            messages.append(UserMessage(content=prompt))
-        elif prompt:
-            messages += list(prompt)
-        if not messages:
-            raise VerifiersError(f"env.verifiers: task {self.task.data.id or self.task.data.idx} has no prompt")
-        return messages
-
-    def reset(self) -> list[dict]:
-        from verifiers.v1.types import content_text
-
-        return [{"role": m.role, "content": content_text(m.content)} for m in self.prompt]
+        self.bridge.start()
+        event = await self.bridge.next_event()
+        if event.kind != "turn":
+            raise RunFailed(f"{type(self.env).__name__}.run() finished without a turn")
+        return _wire(event.messages)
 
     async def step(self, assistant_text: str) -> dict:
-        trace = self._trace(assistant_text)
-        await self.task.score(trace)
+        self.bridge.reply(assistant_text)
+        event = await self.bridge.next_event()
+        if event.kind == "turn":
+            return {"observations": _wire(event.messages), "reward": None, "done": False}
+        trace = event.trace
         self.reward_parts = {name: float(r.score) for name, r in trace.rewards.items() if r is not None}
+        self.truncated = trace.stop_condition == "max_turns"
         return {"observations": [], "reward": float(trace.reward), "done": True}
 
-    def _trace(self, reply: str):
-        """A verifiers Trace holding the prompt and the reply, committed through its own turn graph."""
-        from verifiers.v1.graph import prepare_turn
-        from verifiers.v1.trace import AgentInfo, Trace, TraceTask
-        from verifiers.v1.types import AssistantMessage, Response, TurnTokens, Usage
+    async def close(self) -> None:
+        await self.bridge.close()
 
-        task = self.task
-        trace = Trace(task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
-                      agent=AgentInfo(config=self.agent_config))
-        response = Response(id="", created=0, model="policy", message=AssistantMessage(content=reply),
-                            finish_reason="stop", usage=Usage(prompt_tokens=0, completion_tokens=0),
-                            tokens=TurnTokens(prompt_ids=[], completion_ids=[], completion_logprobs=[]))
-        prepare_turn(trace, self.prompt, []).commit(response)
-        trace.is_completed = trace.ok = True
-        return trace
+
+def _wire(messages) -> list[dict]:
+    """verifiers messages as the episode protocol's chat messages."""
+    from verifiers.v1.types import content_text
+
+    return [{"role": m.role, "content": content_text(m.content)} for m in messages]

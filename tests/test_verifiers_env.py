@@ -1,8 +1,10 @@
 """verifiers environments as the run's episodes (app/verifiers_env.py): a third-party environment module
 (tests/support/vf_letters_env.py, installed here by putting tests/support on the import path, the way a pip
 package would be) loads through verifiers' own loader, its tasks become the prompts, its rubric scores the
-episode (weighted sum, each function's score on the step metrics); bad environments fail at validation; the
-re-tokenization detector; and a short real run (Ray, Serve, vLLM, DeepSpeed) trains on the environment."""
+episode (weighted sum, each function's score on the step metrics); a multi-turn environment (vf_steps_env: its own
+Env.run() through app/verifiers_bridge.py) plays its turns through the episode loop, ends on max_turns, fails only
+its episode when run() raises and leaves no run() behind; bad environments fail at validation; the
+re-tokenization detector; and short real runs (Ray, Serve, vLLM, DeepSpeed) train on both environments."""
 from __future__ import annotations
 
 import asyncio
@@ -78,6 +80,127 @@ def test_tasks_become_rows_and_the_rubric_scores_episodes(tiny_model_dir, tmp_pa
     assert m["retokenized_turns"] == 0
 
 
+STEPS = {"verifiers": "vf_steps_env", "args": {"size": 4, "turns": 3}}
+
+
+def _steps(tiny_model_dir, tmp_path, **env):
+    from transformers import AutoTokenizer
+
+    from app.preflight import verifiers_prompts
+
+    cfg = vf_config(tiny_model_dir, tmp_path, **{**STEPS, **env})
+    return cfg, verifiers_prompts(cfg), AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_a_multi_turn_environment_plays_its_own_run(tiny_model_dir, tmp_path):
+    """vf_steps_env's own Env.run() drives the exchange: each turn() is one sampled turn of the episode loop, its
+    feedback reaches the next prompt as exactly the tokens the chat template adds, the rubric scores the trace."""
+    from app.chat_tokens import ChatTokens
+    from tests.test_episodes import scripted
+
+    cfg, rows, tok = _steps(tiny_model_dir, tmp_path)
+    row = rows[1]
+    answers = row["vf_task"]["answers"]
+    assert row["prompt"] == f"Say the letter {answers[0]}." and len(answers) == 3
+    wrong = "Z" if answers[1] != "Z" else "Y"
+    generate, seen = scripted(tok, [answers[0], wrong, answers[2]])
+    rollout = EpisodeRollout(cfg, tok)
+    ep = asyncio.run(rollout.play(row, generate))
+    assert ep.stats.turns == 3 and not ep.stats.truncated and ep.stats.retokenized_turns == 0
+    feedback = [f"Right. Now say the letter {answers[1]}.",
+                f"No, it was {answers[1]}. Now say the letter {answers[2]}."]
+    assert [m["content"] for m in ep.messages if m["role"] == "user"] == [row["prompt"], *feedback]
+    for k in (1, 2):  # the engine's prompt k: prompt k-1 + its sampled ids + the feedback's chat tokens
+        prev = ep.turns[k - 1]
+        context = ChatTokens(tok).after_turn(prev["token_ids"], [{"role": "user", "content": feedback[k - 1]}])
+        assert seen[k]["ids"] == prev["prompt_ids"] + prev["token_ids"] + context
+        assert feedback[k - 1] in tok.decode(context)
+    last = ep.turns[-1]
+    assert ep.ids == last["prompt_ids"] + last["token_ids"]  # what the trainer gets is what the engine saw
+    sampled = [t for turn in ep.turns for t in turn["token_ids"]]
+    assert [t for t, m in zip(ep.completion_ids, ep.mask) if m] == sampled
+    # @vf.reward last_exact (0.5) + run()'s record_reward steps_right (0.5): 2 of 3 turns right
+    assert ep.stats.rewards == {"last_exact": 1.0, "steps_right": pytest.approx(2 / 3)}
+    assert rollout.reward(ep, row) == pytest.approx(0.5 + 0.5 * 2 / 3)
+
+
+def test_max_turns_ends_the_exchange_with_a_terminated_segment(tiny_model_dir, tmp_path):
+    from tests.test_episodes import scripted
+
+    cfg, rows, tok = _steps(tiny_model_dir, tmp_path, max_turns=2)
+    answers = rows[0]["vf_task"]["answers"]
+    generate, seen = scripted(tok, answers)
+    rollout = EpisodeRollout(cfg, tok)
+    ep = asyncio.run(rollout.play(rows[0], generate))
+    # run()'s third turn() came back terminated: it stopped, recorded its reward, the trace was scored
+    assert len(seen) == 2 and ep.stats.turns == 2 and ep.stats.truncated
+    assert ep.stats.rewards == {"last_exact": 0.0, "steps_right": pytest.approx(2 / 3)}
+    assert ep.step_rewards == [None, pytest.approx(1 / 3)]
+
+
+def _live_tasks() -> set:
+    return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+
+
+def test_a_raising_run_fails_its_episode_only(tiny_model_dir, tmp_path):
+    from app.envs import EnvError
+    from tests.test_episodes import scripted
+
+    cfg, rows, tok = _steps(tiny_model_dir, tmp_path, args={"size": 4, "turns": 3, "fail_after": 2})
+    broken = EpisodeRollout(cfg, tok)
+    fine = EpisodeRollout(vf_config(tiny_model_dir, tmp_path, **STEPS), tok)
+    answers = rows[0]["vf_task"]["answers"]
+
+    async def both():
+        results = await asyncio.gather(broken.play(rows[0], scripted(tok, answers)[0]),
+                                       fine.play(rows[0], scripted(tok, answers)[0]), return_exceptions=True)
+        return results, _live_tasks()
+
+    (failed, ok), left = asyncio.run(both())
+    assert isinstance(failed, EnvError) and "StepsEnv.run() raised RuntimeError" in str(failed)
+    assert "bug on purpose after turn 2" in str(failed)
+    assert ok.stats.turns == 3 and ok.stats.rewards["steps_right"] == 1.0
+    assert not left  # no run() left behind
+
+
+def test_an_abandoned_episode_leaves_no_run_behind(tiny_model_dir, tmp_path):
+    """A group abandoned mid-episode (its task cancelled while a turn generates): the environment's run(), waiting
+    in turn() for the reply, is cancelled with it; an episode truncated by tokens likewise."""
+    from tests.test_episodes import scripted
+
+    cfg, rows, tok = _steps(tiny_model_dir, tmp_path)
+    rollout = EpisodeRollout(cfg, tok)
+    answers = rows[0]["vf_task"]["answers"]
+    generate, seen = scripted(tok, answers)
+
+    async def abandon():
+        started = asyncio.Event()
+
+        async def stalls_on_turn_2(ids, max_tokens, replica):
+            if seen:
+                started.set()
+                await asyncio.sleep(3600)
+            return await generate(ids, max_tokens, replica)
+
+        play = asyncio.create_task(rollout.play(rows[0], stalls_on_turn_2))
+        await asyncio.wait_for(started.wait(), 30)
+        assert len(_live_tasks()) == 2  # the episode and the environment's run()
+        play.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await play
+        return _live_tasks()
+
+    assert not asyncio.run(abandon())
+    short = EpisodeRollout(cfg.replace(env={"max_episode_tokens": 40}), tok)
+
+    async def truncated():
+        ep = await short.play(rows[0], scripted(tok, answers)[0])
+        return ep, _live_tasks()
+
+    ep, left = asyncio.run(truncated())
+    assert ep.stats.truncated and ep.stats.turns < 3 and not left
+
+
 def test_retokenization_detector():
     assert extends([1, 2], [3, 4], [1, 2, 3, 4, 9, 10])
     assert not extends([1, 2], [3, 4], [1, 2, 34, 9])  # "3 4" merged into one token when re-tokenized
@@ -113,6 +236,7 @@ def test_a_retokenized_episode_is_counted_and_not_trained_on(tiny_model_dir):
     ({"verifiers": "vf_empty_env"}, "yielded no tasks"),
     ({"verifiers": "vf_no_rubric_env"}, "has no @vf.reward"),
     ({"verifiers": "vf_letters_env", "args": {"sizes": 3}}, "failed to load.*sizes"),
+    ({"verifiers": "vf_two_seat_env"}, r"TwoSeatEnv declares the seats \['player', 'user'\]"),
 ])
 def test_bad_environments_fail_at_validation(tiny_model_dir, tmp_path, capsys, env, match):
     import re
@@ -167,3 +291,31 @@ def test_a_short_run_trains_on_the_verifiers_environment(serve_env, tmp_path):
         assert 0.0 <= r["reward/starts_with_answer"] <= 1.0 and r["reward/starts_with_answer"] >= r["reward_mean"]
         assert r["retokenized_turns"] == 0 and r["episode_turns_mean"] == 1.0
     assert rows[0]["log_ratio_abs_max"] <= 5e-5  # step 1: the trained ids and logprobs are the engine's
+
+
+@pytest.mark.slow
+def test_a_short_run_trains_on_the_multi_turn_environment(serve_env, tmp_path):
+    """Real Ray, Serve, vLLM, DeepSpeed: vf_steps_env's own run() plays 3-turn episodes whose turns are sampled
+    by the episode loop under the pinned version; every step's row carries each reward's mean score, and what the
+    trainer got is, turn by turn, what the engine saw and sampled."""
+    from app import driver
+
+    cfg = C.load("recipes/verifiers-cpu.yaml", [
+        f"model.path={serve_env.model_dir}", "model.build_tiny=false", f"run.out_dir={tmp_path}", "run.name=vfmt",
+        "env.verifiers=vf_steps_env", 'env.args={"size": 32, "turns": 3}', "env.max_turns=3",
+        "train.total_steps=2", "train.num_workers=1", "train.cpus_per_worker=0.5", "rollout.replicas=1",
+        "rollout.cpus_per_replica=0.5", "grpo.prompts_per_step=2", "grpo.group_size=4", "checkpoint.every=0",
+        f"rollout.http_port={serve_env.http_port}", "run.stall_timeout_s=300"])
+    summary = driver.run(cfg, progress=False)
+    assert summary["steps"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "vfmt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        # the GRPO reward is the weighted sum: @vf.reward last_exact (0.5) + run()'s record_reward steps_right (0.5)
+        assert r["reward_mean"] == pytest.approx(0.5 * r["reward/last_exact"] + 0.5 * r["reward/steps_right"])
+        assert r["episode_turns_mean"] == 3.0 and 0 < r["env_tokens_fraction"] < 1
+        # per turn, the engine's prompt is the previous turn's prompt + its sampled ids + the feedback's tokens
+        assert r["retokenized_turns"] == 0
+    # step 1 scores the base weights the episodes were sampled under: the trainer's logprob of every sampled token
+    # of every turn equals the engine's, so the ids it trained on are the engine's, turn by turn
+    assert rows[0]["log_ratio_abs_max"] <= 5e-5
