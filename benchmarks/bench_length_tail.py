@@ -82,10 +82,11 @@ def main(argv=None) -> int:
 
     print(f"\nlength-tailed completions {args.length_tail} (MEDIAN:SIGMA:MAX), {steps} steps each, "
           f"max_staleness {args.max_staleness}, {platform.processor() or platform.machine()}")
-    print(f"{'mode':<14} {'step s':>7} {'p50 s':>6} {'dropped':>8} {'resumed':>8} {'regen tok':>9} "
+    print(f"{'mode':<14} {'step s':>7} {'p50 s':>6} {'dropped':>8} {'expired':>8} {'resumed':>8} {'regen tok':>9} "
           f"{'train idle':>10} {'reward first->last':>19}")
     for m, r in results.items():
         print(f"{m:<14} {r['step_seconds_mean']:>7.2f} {r['step_seconds_p50']:>6.2f} {r['dropped_samples']:>8} "
+              f"{r['expired_groups']:>8} "
               f"{r['partial_resumed']:>8} {r['tokens_regenerated']:>9} {r['trainer_idle_fraction'] or 0:>10.2f} "
               f"{r['reward_first_quarter']:>8.3f} -> {r['reward_last_quarter']:.3f}")
     mean = {m: r["step_seconds_mean"] for m, r in results.items()}
@@ -114,6 +115,8 @@ def _record(metrics: list[dict], s: dict, total_s: float) -> dict:
     return {"steps": len(metrics), "total_seconds": total_s,
             "step_seconds_mean": sum(secs) / len(secs), "step_seconds_p50": secs[len(secs) // 2],
             "dropped_samples": max(r.get("dropped_samples", 0) for r in metrics),  # a run total on each row
+            # groups whose version left the window mid-generation: aborted, their prompts handed out again
+            "expired_groups": max(r.get("rollout_expired_groups", 0) for r in metrics),
             "partial_resumed": sum(r.get("partial_resumed", 0) for r in metrics),
             "tokens_regenerated": sum(r.get("tokens_regenerated", 0) for r in metrics),
             "versions_per_sample_mean": sum(r.get("versions_per_sample_mean", 1.0) for r in metrics) / len(metrics),
