@@ -25,12 +25,13 @@ PARTIAL_POLICIES: tuple[str, ...] = typing.get_args(PartialPolicy)
 
 
 class Segment:
-    """One partial request's running engine request: its run, version and policy, and the signal to move."""
+    """One partial request's running engine request: its run, version and policy, which segment of its request
+    it is (0: the first; more: a continuation), and the signal to move."""
 
-    __slots__ = ("run", "version", "policy", "move", "cancelled")
+    __slots__ = ("run", "version", "policy", "index", "move", "cancelled")
 
-    def __init__(self, run: str, version: int, policy: str):
-        self.run, self.version, self.policy = run, int(version), policy
+    def __init__(self, run: str, version: int, policy: str, index: int = 0):
+        self.run, self.version, self.policy, self.index = run, int(version), policy, int(index)
         self.move = asyncio.Event()
         self.cancelled = False  # the run left: abort, do not continue
 
@@ -80,3 +81,8 @@ class PartialTable:
 
     def running(self, run: str | None = None) -> int:
         return sum(len(s) for r, s in self._by_run.items() if run is None or r == run)
+
+    def stats(self) -> dict:
+        """The replica's `stats()["partial"]`: segments running, of which continuations, and moves so far."""
+        segs = [seg for segs in self._by_run.values() for seg in segs]
+        return {"running": len(segs), "continuations": sum(seg.index > 0 for seg in segs), "moved": self.moved}

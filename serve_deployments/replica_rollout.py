@@ -128,7 +128,7 @@ class RolloutPath:
             if min_tokens:
                 seg_s["min_tokens"] = max(0, min_tokens - len(tokens))
             params = sampling_params(seg_s, detokenize)
-            seg = Segment(run, current, policy)
+            seg = Segment(run, current, policy, resumed)
             ids = prompt_ids + tokens  # token ids, never text: what the engine produced, exactly
             async with self.adapters.hold(current, run) as lora:
                 self.adapters.partial.add(seg)
