@@ -250,7 +250,9 @@ def test_episode_concatenates_turn_segments_and_context_takes_the_next_turns_ver
     ep = Episode(prompt_ids=[1, 2])
     turn = {"prompt_token_ids": [1, 2], "text": "x", "version": 1, "finish_reason": "length"}
     ep.add_turn(dict(turn, token_ids=[5, 6, 7], logprobs=[-1.0, -2.0, -3.0], versions=[[1, 1], [2, 2]], resumed=1,
-                     regenerated_tokens=3))
+                     regenerated_tokens=3, version_sha256={"1": "s1", "2": "s2"}))
+    # the worker's served-version proof (_check_served) reads every version a turn ran under, not its first only
+    assert ep.turns[0]["version_sha256"] == {"1": "s1", "2": "s2"}
     ep.add_context([8, 9], [{"role": "user", "content": "more"}])
     ep.add_turn(dict(turn, token_ids=[10, 11], logprobs=[-4.0, -5.0], version=2, versions=[[3, 2]]))
     fields = ep.partial_fields()
