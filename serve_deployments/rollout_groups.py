@@ -13,8 +13,9 @@
   when it names a version already trimmed from the live window (a later turn of a long episode).
 - `partial` ("at_limit" | "all", rollout.partial): each sample may move to a newer version of the run while
   it generates (partial_rollouts.py); the group still pins its starting version, and one already trimmed
-  from the live window (a later turn of a long episode), or not live yet (a turn that moved to a version a
-  replica loaded before the registry marked it live), starts under the newest live one instead of failing.
+  from the live window (a later turn of a long episode), unloaded, or not live yet (a turn that moved to a
+  version a replica loaded before the registry marked it live) starts under the newest live one instead of
+  failing.
 - The samples count against the in-flight limit but are never refused by it (admission.py).
 - On a fleet, `run` names the attached run whose versions the group uses, and groups are admitted by
   weighted fair queuing between the runs (fair_queue.py) before any sample starts.
@@ -33,15 +34,6 @@ from serve_deployments.replica_pool import ReplicaPool
 from serve_deployments.served_versions import RunVersions, UnknownRunError
 
 logger = logging.getLogger("ray.serve")
-
-
-def _not_live_yet_or_trimmed(version: int, live: list[int], base_version: int) -> bool:
-    """A partial turn's version that is not live: trimmed (older than every live one), or not live yet: a replica
-    moves partial samples (policy all) to a version when it loads it, before the registry marks it live (after
-    every replica loaded it), so a turn may end under it, and the episode's next turn name it, in between."""
-    if version in live or version == base_version:
-        return False
-    return (bool(live) and 0 < version < live[0]) or version > (live[-1] if live else base_version)
 
 
 class RolloutGroups:
@@ -85,8 +77,12 @@ class RolloutGroups:
             turn = await self._fair.acquire(run, n, int((sampling or {}).get("max_tokens", 16)))
         try:
             live = await versions.live()
-            if partial and version is not None and _not_live_yet_or_trimmed(version, live, versions.merged_version):
-                version = None  # a partial turn starts under the newest live one (its samples say so per token)
+            if partial and version is not None and version not in live and version != versions.merged_version:
+                # A partial turn names the version its episode's previous turn ended under, which may be trimmed
+                # since, unloaded, or not live yet: a replica moves partial samples (policy all) to a version as
+                # it loads it, before the registry marks it live once every replica has. It starts under the
+                # newest live one instead (its samples say so per token).
+                version = None
             if drop_if_expired and version is not None and live and 0 < version < min(live):
                 # Trimmed from the live window while its rollout ran (a multi-turn episode's later turn): too
                 # stale to train on, so gone (410), and the worker starts the group over under the newest.
