@@ -9,7 +9,10 @@ run; two events move them:
 - the run's registry expires versions (`expired`, from `expire`): segments under them move, whatever the
   policy. That is policy `at_limit`'s one trigger: the registry alone knows the live window (max_staleness),
   so the replica does not guess which version the next load will push out; the move comes one `expire`
-  call after the load, and exactly the requests that would otherwise get VersionExpiredError move.
+  call after the load, and exactly the requests that would otherwise get VersionExpiredError move;
+- the version is unloaded here (`leaving`: an operator's unload, or the rollback of a load a lost replica
+  failed): its segments move to the run's newest version left, older if need be, and the unload does not
+  wait for the rest of their completions.
 Moving = the generate coroutine aborts its engine request, keeps the tokens and logprobs vLLM hands back
 with the abort (finish_reason "abort"), and submits prompt + those token ids under the newest version of the
 run this replica serves (replica_rollout.py). `forget_run` cancels instead (`cancel_run`): the run left.
@@ -70,6 +73,11 @@ class PartialTable:
         """The registry expired these versions of `run`: their segments move (every policy)."""
         gone = {int(v) for v in versions}
         return self._signal([s for s in self._by_run.get(run, ()) if s.version in gone])
+
+    def leaving(self, version: int, run: str = "") -> int:
+        """Run `run`'s `version` is being unloaded here: its segments move (every policy), to an older version
+        if it was the newest."""
+        return self._signal([s for s in self._by_run.get(run, ()) if s.version == int(version)])
 
     def cancel_run(self, run: str) -> int:
         """The run leaves the replica: its partial requests end (VersionExpiredError), none continues."""

@@ -230,6 +230,10 @@ class ReplicaAdapters:
             return False
         key = AdapterKey(run, version)
         self._draining.add(key)
+        # Partial rollouts under it move on (to the run's newest version left) instead of holding the unload for
+        # the rest of their completions: the rollback of a load that a lost replica failed unloads the version
+        # the survivors' partial samples (policy all) had just moved to.
+        self.partial.leaving(version, run)
         try:
             deadline = time.monotonic() + timeout_s
             while self.slots.inflight_of(version, run):
@@ -286,6 +290,9 @@ class ReplicaAdapters:
 
     def is_expired(self, version: int, run: str = "") -> bool:
         return AdapterKey(run, version) in self.expired
+
+    def is_draining(self, version: int, run: str = "") -> bool:
+        return AdapterKey(run, version) in self._draining
 
     def check_expired(self, version: int, run: str = "") -> None:
         """VersionExpiredError when a rollout request (`drop_if_expired`) names an expired version."""
