@@ -213,6 +213,8 @@ class ReplicaAdapters:
         try:
             entry = await self.registries.call(run, "get", version)
         except Exception as e:
+            if await self.trimmed(version, run):  # gone, not missing: the rollout starts over under the newest
+                raise VersionExpiredError(version, run=run) from e
             raise ReplicaError(f"{adapter_name(version, run)} is not loaded here and the registry does not hold "
                                f"it ({root_message(e)})", 404) from e
         try:
@@ -290,6 +292,24 @@ class ReplicaAdapters:
 
     def is_expired(self, version: int, run: str = "") -> bool:
         return AdapterKey(run, version) in self.expired
+
+    async def trimmed(self, version: int, run: str = "") -> bool:
+        """Whether run `run`'s `version` is expired here, or not loaded here and trimmed by its registry (older
+        than every live version; then recorded as expired): a replica that Serve started after the trim (one
+        replacing a lost replica) never got the `expire` call, and a request retried onto it still names it."""
+        key = AdapterKey(run, version)
+        if key in self.expired:
+            return True
+        if version < 1 or self.slots.is_loaded(version, run):
+            return False
+        try:
+            live = await self.registries.live(run)
+        except Exception:  # no registry to ask: the load path reports that clearly
+            return False
+        if live and version < live[0]:
+            self.expired.add(key)
+            return True
+        return False
 
     def is_draining(self, version: int, run: str = "") -> bool:
         return AdapterKey(run, version) in self._draining

@@ -116,7 +116,7 @@ class RolloutPath:
             raise ReplicaError(f"partial: {policy!r} is not one of {', '.join(PARTIAL_POLICIES)}", 400)
         max_tokens, min_tokens = int(s.get("max_tokens", 16)), int(s.get("min_tokens") or 0)
         current = version
-        if self.adapters.is_expired(version, run) or self.adapters.is_draining(version, run):
+        if self.adapters.is_draining(version, run) or await self.adapters.trimmed(version, run):
             current = self._next(version, run)  # e.g. a later turn of an episode whose version expired meanwhile
         tokens: list[int] = []
         logprobs: list[float] = []
