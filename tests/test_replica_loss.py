@@ -290,7 +290,7 @@ def _replica_lost_mid_continuation(serve_env, handle, prompts, v, payload):
     left = [r for r in _replicas(handle) if r["replica_id"] != victim["replica_id"]]
     assert left and all(r["partial"]["running"] == 0 for r in left), [r["partial"] for r in left]
     again = handle.generate_group.remote(prompts[0], 2, v2, {"max_tokens": 4}, partial="all").result(timeout_s=120)
-    assert [s["versions"] for s in again] == [[[v2, 4]]] * 2
+    assert [s["versions"] for s in again] == [[[v2, len(s["token_ids"])]] for s in again]  # (EOS may come first)
 
 
 def test_rollout_groups_survive_ingress_kill(serve_env):
