@@ -91,6 +91,8 @@ class Episode:
         self.turns.append({"prompt_ids": list(out["prompt_token_ids"]), "token_ids": tokens,
                            "replica_id": out.get("replica_id"), "version": int(out["version"]),
                            "sha256": out.get("sha256"), "finish_reason": out.get("finish_reason")})
+        if "version_sha256" in out:  # a partial turn: the worker checks every version it ran under, not just one
+            self.turns[-1]["version_sha256"] = dict(out["version_sha256"])
         if "versions" in out:
             segs = self.token_versions = self.token_versions or []
             first = int(out["versions"][0][0]) if out["versions"] else int(out["version"])

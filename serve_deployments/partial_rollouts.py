@@ -9,7 +9,10 @@ run; two events move them:
 - the run's registry expires versions (`expired`, from `expire`): segments under them move, whatever the
   policy. That is policy `at_limit`'s one trigger: the registry alone knows the live window (max_staleness),
   so the replica does not guess which version the next load will push out; the move comes one `expire`
-  call after the load, and exactly the requests that would otherwise get VersionExpiredError move.
+  call after the load, and exactly the requests that would otherwise get VersionExpiredError move;
+- the version is unloaded here (`leaving`: an operator's unload, or the rollback of a load a lost replica
+  failed): its segments move to the run's newest version left, older if need be, and the unload does not
+  wait for the rest of their completions.
 Moving = the generate coroutine aborts its engine request, keeps the tokens and logprobs vLLM hands back
 with the abort (finish_reason "abort"), and submits prompt + those token ids under the newest version of the
 run this replica serves (replica_rollout.py). `forget_run` cancels instead (`cancel_run`): the run left.
@@ -25,12 +28,13 @@ PARTIAL_POLICIES: tuple[str, ...] = typing.get_args(PartialPolicy)
 
 
 class Segment:
-    """One partial request's running engine request: its run, version and policy, and the signal to move."""
+    """One partial request's running engine request: its run, version and policy, which segment of its request
+    it is (0: the first; more: a continuation), and the signal to move."""
 
-    __slots__ = ("run", "version", "policy", "move", "cancelled")
+    __slots__ = ("run", "version", "policy", "index", "move", "cancelled")
 
-    def __init__(self, run: str, version: int, policy: str):
-        self.run, self.version, self.policy = run, int(version), policy
+    def __init__(self, run: str, version: int, policy: str, index: int = 0):
+        self.run, self.version, self.policy, self.index = run, int(version), policy, int(index)
         self.move = asyncio.Event()
         self.cancelled = False  # the run left: abort, do not continue
 
@@ -70,6 +74,11 @@ class PartialTable:
         gone = {int(v) for v in versions}
         return self._signal([s for s in self._by_run.get(run, ()) if s.version in gone])
 
+    def leaving(self, version: int, run: str = "") -> int:
+        """Run `run`'s `version` is being unloaded here: its segments move (every policy), to an older version
+        if it was the newest."""
+        return self._signal([s for s in self._by_run.get(run, ()) if s.version == int(version)])
+
     def cancel_run(self, run: str) -> int:
         """The run leaves the replica: its partial requests end (VersionExpiredError), none continues."""
         segs = list(self._by_run.get(run, ()))
@@ -80,3 +89,8 @@ class PartialTable:
 
     def running(self, run: str | None = None) -> int:
         return sum(len(s) for r, s in self._by_run.items() if run is None or r == run)
+
+    def stats(self) -> dict:
+        """The replica's `stats()["partial"]`: segments running, of which continuations, and moves so far."""
+        segs = [seg for segs in self._by_run.values() for seg in segs]
+        return {"running": len(segs), "continuations": sum(seg.index > 0 for seg in segs), "moved": self.moved}

@@ -234,7 +234,8 @@ class Replica:
     async def stats(self) -> dict:
         """`versions`, `inflight_by_version`, `rejected`, `expired`: the run ""'s, by version (as before runs);
         `adapters`, `inflight_by_adapter`, `rejected_adapters`: every run's, by adapter name; `quotas`: the
-        runs' slots (the run "" listed only when set: otherwise it has them all)."""
+        runs' slots (the run "" listed only when set: otherwise it has them all); `partial`: partial rollout segments
+        running, continuations among them, moves so far (partial_rollouts.py)."""
         a = self.adapters
         slots = a.slots
         return {"replica_id": self.replica_id, "ongoing": slots.ongoing(), "versions": slots.versions(),
@@ -249,7 +250,7 @@ class Replica:
                 "rejected": {k.version: m for k, m in a.rejected.items() if not k.run},
                 "rejected_adapters": {k.name: m for k, m in a.rejected.items()},
                 "expired": sorted(k.version for k in a.expired if not k.run),
-                "aborted_expired": a.aborted_expired, "pid": os.getpid(),
+                "aborted_expired": a.aborted_expired, "partial": a.partial.stats(), "pid": os.getpid(),
                 "http_url": self._http.url if self._http else None}
 
     async def engine_info(self) -> dict:

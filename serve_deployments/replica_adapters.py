@@ -213,6 +213,8 @@ class ReplicaAdapters:
         try:
             entry = await self.registries.call(run, "get", version)
         except Exception as e:
+            if await self.trimmed(version, run):  # gone, not missing: the rollout starts over under the newest
+                raise VersionExpiredError(version, run=run) from e
             raise ReplicaError(f"{adapter_name(version, run)} is not loaded here and the registry does not hold "
                                f"it ({root_message(e)})", 404) from e
         try:
@@ -230,6 +232,10 @@ class ReplicaAdapters:
             return False
         key = AdapterKey(run, version)
         self._draining.add(key)
+        # Partial rollouts under it move on (to the run's newest version left) instead of holding the unload for
+        # the rest of their completions: the rollback of a load that a lost replica failed unloads the version
+        # the survivors' partial samples (policy all) had just moved to.
+        self.partial.leaving(version, run)
         try:
             deadline = time.monotonic() + timeout_s
             while self.slots.inflight_of(version, run):
@@ -286,6 +292,27 @@ class ReplicaAdapters:
 
     def is_expired(self, version: int, run: str = "") -> bool:
         return AdapterKey(run, version) in self.expired
+
+    async def trimmed(self, version: int, run: str = "") -> bool:
+        """Whether run `run`'s `version` is expired here, or not loaded here and trimmed by its registry (older
+        than every live version; then recorded as expired): a replica that Serve started after the trim (one
+        replacing a lost replica) never got the `expire` call, and a request retried onto it still names it."""
+        key = AdapterKey(run, version)
+        if key in self.expired:
+            return True
+        if version < 1 or self.slots.is_loaded(version, run):
+            return False
+        try:
+            live = await self.registries.live(run)
+        except Exception:  # no registry to ask: the load path reports that clearly
+            return False
+        if live and version < live[0]:
+            self.expired.add(key)
+            return True
+        return False
+
+    def is_draining(self, version: int, run: str = "") -> bool:
+        return AdapterKey(run, version) in self._draining
 
     def check_expired(self, version: int, run: str = "") -> None:
         """VersionExpiredError when a rollout request (`drop_if_expired`) names an expired version."""

@@ -116,8 +116,8 @@ class RolloutPath:
             raise ReplicaError(f"partial: {policy!r} is not one of {', '.join(PARTIAL_POLICIES)}", 400)
         max_tokens, min_tokens = int(s.get("max_tokens", 16)), int(s.get("min_tokens") or 0)
         current = version
-        if self.adapters.is_expired(version, run):  # a later turn of an episode whose version expired meanwhile
-            current = self._next(version, run)
+        if self.adapters.is_draining(version, run) or await self.adapters.trimmed(version, run):
+            current = self._next(version, run)  # e.g. a later turn of an episode whose version expired meanwhile
         tokens: list[int] = []
         logprobs: list[float] = []
         segments: list[list[int]] = []
@@ -128,7 +128,7 @@ class RolloutPath:
             if min_tokens:
                 seg_s["min_tokens"] = max(0, min_tokens - len(tokens))
             params = sampling_params(seg_s, detokenize)
-            seg = Segment(run, current, policy)
+            seg = Segment(run, current, policy, resumed)
             ids = prompt_ids + tokens  # token ids, never text: what the engine produced, exactly
             async with self.adapters.hold(current, run) as lora:
                 self.adapters.partial.add(seg)
@@ -168,12 +168,13 @@ class RolloutPath:
                 "version_sha256": {str(v): self.adapters.served_sha(v, run) for v, _ in segments}}
 
     def _next(self, current: int, run: str) -> int:
-        """The version a moved segment continues under: the run's newest here. None newer and `current`
-        expired: VersionExpiredError, as for a whole request (its samples could only be dropped)."""
+        """The version a moved segment continues under: the run's newest here; an older one when `current` is
+        being unloaded and is the newest. None newer and `current` expired (or being unloaded, with nothing
+        left): VersionExpiredError, as for a whole request (its samples could only be dropped)."""
         newest = self.adapters.newest(run)
-        if newest is not None and newest > current:
+        if newest is not None and (newest > current or self.adapters.is_draining(current, run)):
             return newest
-        if self.adapters.is_expired(current, run):
+        if self.adapters.is_expired(current, run) or self.adapters.is_draining(current, run):
             raise VersionExpiredError(current, run=run)
         return current  # moved by `all` but the newer version left again: go on where it was
 

@@ -13,7 +13,9 @@
   when it names a version already trimmed from the live window (a later turn of a long episode).
 - `partial` ("at_limit" | "all", rollout.partial): each sample may move to a newer version of the run while
   it generates (partial_rollouts.py); the group still pins its starting version, and one already trimmed
-  from the live window (a later turn of a long episode) starts under the newest instead of failing.
+  from the live window (a later turn of a long episode), unloaded, or not live yet (a turn that moved to a
+  version a replica loaded before the registry marked it live) starts under the newest live one instead of
+  failing.
 - The samples count against the in-flight limit but are never refused by it (admission.py).
 - On a fleet, `run` names the attached run whose versions the group uses, and groups are admitted by
   weighted fair queuing between the runs (fair_queue.py) before any sample starts.
@@ -75,8 +77,12 @@ class RolloutGroups:
             turn = await self._fair.acquire(run, n, int((sampling or {}).get("max_tokens", 16)))
         try:
             live = await versions.live()
-            if partial and version is not None and live and 0 < version < min(live):
-                version = None  # trimmed: a partial turn starts under the newest (its samples say so per token)
+            if partial and version is not None and version not in live and version != versions.merged_version:
+                # A partial turn names the version its episode's previous turn ended under, which may be trimmed
+                # since, unloaded, or not live yet: a replica moves partial samples (policy all) to a version as
+                # it loads it, before the registry marks it live once every replica has. It starts under the
+                # newest live one instead (its samples say so per token).
+                version = None
             if drop_if_expired and version is not None and live and 0 < version < min(live):
                 # Trimmed from the live window while its rollout ran (a multi-turn episode's later turn): too
                 # stale to train on, so gone (410), and the worker starts the group over under the newest.

@@ -92,7 +92,7 @@ def test_groups_carry_their_run_and_are_counted_per_run():
     for run in ("", "a", "b"):
         fair.set_weight(run)
     sample = lambda v, run: {"version": v, "token_ids": [1, 2, 3], "run": run}  # noqa: E731
-    pool = FakePool([[sample(2, "a"), sample(2, "a")], [sample(5, "b")]])
+    pool = FakePool([[sample(2, "a"), sample(2, "a")], [sample(5, "b")], [sample(2, "a")]])
     front = RolloutGroups(pool, runs({"a": [1, 2], "b": [5]}), Admission(16), fair=fair)
     asyncio.run(front.generate_group([7, 8], 2, None, {"max_tokens": 3}, run="a"))
     asyncio.run(front.generate_group([7, 8], 1, None, {"max_tokens": 3}, run="b"))
@@ -103,6 +103,10 @@ def test_groups_carry_their_run_and_are_counted_per_run():
         asyncio.run(front.generate_group([7, 8], 1, run="c"))
     with pytest.raises(ValueError, match="not live"):
         asyncio.run(front.generate_group([7, 8], 1, 5, run="a"))  # run b's version number is not run a's
+    # rollout.partial: a turn whose version is not live (yet) in its run starts under its run's newest, never
+    # another run's (a/policy-v3 being published: run b's live v5 is not a's)
+    asyncio.run(front.generate_group([7, 8], 1, 3, run="a", partial="all"))
+    assert (pool.calls[-1][1][0]["run"], pool.calls[-1][1][0]["version"]) == ("a", 2)
 
 
 def _admin():

@@ -1,10 +1,10 @@
 """Multi-turn episodes through real vLLM replicas (2, behind the project's ingress) and a real run.
 
-- 3-turn episodes under a published adapter: what the trainer gets is exactly the concatenation of what
-  the engine saw and produced, turn by turn; the loss mask covers the sampled tokens only; every turn ran
-  under the episode's version on the replica that served the turn before, which found the conversation
-  in its prefix cache; the trainer's logprobs (PEFT, collate + sequence_logprobs) of the sampled tokens
-  match vLLM's as closely as a single-turn sample's do.
+- 3-turn episodes under a published adapter (two of them as rollout.partial plays them): what the trainer
+  gets is exactly the concatenation of what the engine saw and produced, turn by turn; the loss mask covers
+  the sampled tokens only; every turn ran under the episode's version on the replica that served the turn
+  before, which found the conversation in its prefix cache; the trainer's logprobs (PEFT, collate +
+  sequence_logprobs) of the sampled tokens match vLLM's as closely as a single-turn sample's do.
 - A short multi-turn GRPO run whose environment raises on some rows: the run goes on and finishes, the
   failures are counted, the episode metrics are on every step's row.
 Real Ray, Serve, vLLM, DeepSpeed and PEFT throughout."""
@@ -67,10 +67,12 @@ def service(serve_env):  # gone before the run test: a run's app takes Serve's r
         retire_all(serve_env.registry)
 
 
-def _generate(handle, version, sampling):
-    async def generate(ids, max_tokens, replica):
-        out = await handle.generate_group.remote(ids, 1, version, dict(sampling, max_tokens=max_tokens),
-                                                 drop_if_expired=True, replica=replica)
+def _generate(handle, version, sampling, partial: str | None = None):
+    async def generate(ids, max_tokens, replica, turn_version=None):
+        # rollout.partial: a turn starts under the version the previous one ended under (the worker's way)
+        out = await handle.generate_group.remote(ids, 1, turn_version or version, dict(sampling, max_tokens=max_tokens),
+                                                 drop_if_expired=True, replica=replica,
+                                                 **({"partial": partial} if partial else {}))
         return out[0]
     return generate
 
@@ -89,10 +91,15 @@ def test_three_turn_episodes_are_token_exact_on_real_engines(service):
     rollout = EpisodeRollout(cfg, tok)
     sampling = {"temperature": 1.0, "top_p": 1.0, "logprobs": True, "ignore_eos": True}
 
-    async def play_group():
-        return await asyncio.gather(*(rollout.play(ROW, _generate(handle, version, sampling)) for _ in range(4)))
+    async def play_group():  # the last two episodes as rollout.partial plays them (nothing published meanwhile)
+        return await asyncio.gather(*(rollout.play(ROW, _generate(handle, version, sampling, partial))
+                                      for partial in (None, None, "all", "at_limit")))
 
     episodes = asyncio.run(play_group())
+    for ep in episodes[2:]:  # partial: per-token provenance over the whole episode, every turn's digests checked
+        assert ep.partial_fields() == {"token_versions": [[version, len(ep.completion_ids)]], "resumed": 0,
+                                       "regenerated_tokens": 0}
+        assert all(t["version_sha256"] == {str(version): meta["sha256"]} for t in ep.turns)
     for ep in episodes:
         assert ep.stats.turns == 3 and ep.version == version
         assert {t["version"] for t in ep.turns} == {version} and {t["sha256"] for t in ep.turns} == {meta["sha256"]}

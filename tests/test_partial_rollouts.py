@@ -164,6 +164,27 @@ class TestOneFleetReplica:
         assert out["version"] == 2 and out["versions"] == [[3, 200]]
         assert fleet.check_logprobs("a", out) <= TOL
 
+    def test_unloading_its_version_moves_a_partial_request_and_does_not_wait_for_it(self, fleet):
+        """The rollback of a load that a lost replica failed unloads the version the survivors' partial samples
+        had just moved to (policy all): they move on, to an older version if need be, and the unload (which
+        holds the publish) does not wait out their completions."""
+        async def main():
+            r = fleet.replica
+            req = fleet.req("a", 3, partial="at_limit")
+            req["sampling"] = dict(LONG, max_tokens=400)
+            task = asyncio.ensure_future(r.generate(req))
+            await _until_generating(r)
+            assert await r.unload_adapter(3, "a")
+            running = not task.done()
+            return running, await task, r.adapters.partial.running()
+
+        running, out, left = fleet.run(main())
+        assert running and left == 0  # unloaded while the request still ran, nothing left in the table
+        # a/v2 expired, a/v3 being unloaded: on under a/v1, the newest the replica still serves to a
+        assert [v for v, _ in out["versions"]] == [3, 1] and out["resumed"] == 1 and len(out["token_ids"]) == 400
+        assert fleet.check_logprobs("a", out) <= TOL
+        assert "a/policy-v3" not in fleet.run(fleet.replica.stats())["adapters"]
+
 
 # ---------------------------------------------------------------------------------------------- the buffer
 
@@ -250,7 +271,9 @@ def test_episode_concatenates_turn_segments_and_context_takes_the_next_turns_ver
     ep = Episode(prompt_ids=[1, 2])
     turn = {"prompt_token_ids": [1, 2], "text": "x", "version": 1, "finish_reason": "length"}
     ep.add_turn(dict(turn, token_ids=[5, 6, 7], logprobs=[-1.0, -2.0, -3.0], versions=[[1, 1], [2, 2]], resumed=1,
-                     regenerated_tokens=3))
+                     regenerated_tokens=3, version_sha256={"1": "s1", "2": "s2"}))
+    # the worker's served-version proof (_check_served) reads every version a turn ran under, not its first only
+    assert ep.turns[0]["version_sha256"] == {"1": "s1", "2": "s2"}
     ep.add_context([8, 9], [{"role": "user", "content": "more"}])
     ep.add_turn(dict(turn, token_ids=[10, 11], logprobs=[-4.0, -5.0], version=2, versions=[[3, 2]]))
     fields = ep.partial_fields()

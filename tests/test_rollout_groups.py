@@ -116,3 +116,19 @@ def test_version_trimmed_mid_episode_is_gone_for_rollouts():
         asyncio.run(front.generate_group([1], 1, 2))
     assert not pool.calls
     assert asyncio.run(front.pin_version()) == 4
+
+
+def test_a_partial_turn_naming_a_version_not_live_starts_under_the_newest_live_one():
+    """rollout.partial, a multi-turn episode's next turn names the version its previous turn ended under. Trimmed
+    since, or not live yet (a replica moves partial samples to a version as it loads it, before the registry
+    marks it live once every replica has): the turn starts under the newest live version instead of failing
+    the group ("not live" was a ValueError, which ends the rollout worker). Without partial it stays an error."""
+    front, pool, _ = rollouts([[sample(4)]] * 3, live=(3, 4))
+    for asked in (2, 5, 4):
+        asyncio.run(front.generate_group([1], 1, asked, drop_if_expired=True, partial="all"))
+    assert [c[1][0]["version"] for c in pool.calls] == [4, 4, 4]
+    with pytest.raises(ValueError, match="not live"):
+        asyncio.run(front.generate_group([1], 1, 5, drop_if_expired=True))
+    base, pool, _ = rollouts([[sample(0)]], live=())  # the first publish still loading: the base model
+    asyncio.run(base.generate_group([1], 1, 1, drop_if_expired=True, partial="at_limit"))
+    assert pool.calls[0][1][0]["version"] == 0 and pool.calls[0][1][0]["partial"] == "at_limit"
