@@ -355,9 +355,11 @@ def _resolve(cfg: DataConfig):
 
 
 def _problem(value, column: str, kind: str) -> str | None:
-    """What is wrong with one cell, or None. kind: prompt | answer | id."""
+    """What is wrong with one cell, or None. kind: prompt | answer | id | budget (a completion budget in tokens)."""
     if value is None:
         return f"column {column!r} is missing (null)"
+    if kind == "budget" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        return f"column {column!r} must be a positive integer (a completion budget in tokens), got {value!r:.60}"
     if kind == "prompt" and not isinstance(value, str):
         return f"column {column!r} must be a string, got {type(value).__name__} {value!r:.60}"
     if kind in ("prompt", "answer") and isinstance(value, str) and not value.strip():
@@ -374,12 +376,6 @@ class PromptLoad:
     skipped: int = 0
     problems: list[str] = field(default_factory=list)  # the first few skipped rows' problems
     source: str = ""
-
-
-def _budget_problem(value, column: str) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        return f"column {column!r} must be a positive integer (a completion budget in tokens), got {value!r:.60}"
-    return None
 
 
 def load_prompts_with_report(cfg: DataConfig) -> PromptLoad:
@@ -411,7 +407,7 @@ def load_prompts_with_report(cfg: DataConfig) -> PromptLoad:
     for i, (p, a, pid, budget) in enumerate(zip(prompts, answers, ids, budgets)):
         problem = (_problem(p, cfg.prompt_column, "prompt") or _problem(a, cfg.answer_column, "answer")
                    or (_problem(pid, cfg.id_column, "id") if cfg.id_column else None)
-                   or (_budget_problem(budget, cfg.max_tokens_column) if cfg.max_tokens_column else None))
+                   or (_problem(budget, cfg.max_tokens_column, "budget") if cfg.max_tokens_column else None))
         if problem:
             bad.append(f"row {i}: {problem}")
             continue
