@@ -17,17 +17,14 @@ import pytest
 import torch
 
 from app.builtin_envs import LetterHunt
-from tests._serve_helpers import make_lora_payload, publish, retire_all, serve_env, small_config  # noqa: F401
+from tests._serve_helpers import LOGPROB_TOL, make_lora_payload, publish, retire_all, serve_env, small_config  # noqa: F401
 from tests.test_episodes import Feedback
 
 pytestmark = pytest.mark.slow
 
 APP = "multiturn-test"
 ROW = {"id": "m1", "prompt": "Say Q.", "answer": "Q"}
-# CPU fp32, trainer vs engine, the worst sampled token of a batch: the engine's batched CPU kernels sum in an
-# order that depends on the batch, so the worst token reaches 1.2e-5 now and then (seen in CI, both in the
-# episode batch and in a step's batch); a wrong version or adapter is off by > 1e-2.
-MAX_LOGPROB_GAP = 5e-5
+MAX_LOGPROB_GAP = LOGPROB_TOL  # tests/_serve_helpers.py says why
 
 
 class SometimesBroken(LetterHunt):

@@ -18,13 +18,12 @@ from pathlib import Path
 import pytest
 
 from common.types import Group, Sample
-from tests._serve_helpers import make_lora_payload, peft_logprobs_of, prompt_ids, small_config
+from tests._serve_helpers import LOGPROB_TOL, make_lora_payload, peft_logprobs_of, prompt_ids, small_config
 from tests.test_replica_units import Actors, FakeFleetState, FakeRegistry
 
 FLEET = "pt"
 LONG = {"max_tokens": 200, "temperature": 1.0, "top_p": 1.0, "logprobs": True, "ignore_eos": True}
-# CPU fp32: vLLM's and PEFT's logprobs of the same tokens agree to this (the brief's bound for whole requests)
-TOL = 5e-5
+TOL = LOGPROB_TOL
 
 
 class _Fleet:
