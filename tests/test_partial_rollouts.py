@@ -264,8 +264,9 @@ def test_train_run_with_partial_rollouts(tmp_path, tiny_model_dir):
     assert all("versions_per_sample_mean" in r and "tokens_regenerated" in r for r in rows)
     moved = [r for r in rows if r.get("partial_resumed", 0) > 0]
     assert all(r["versions_per_sample_mean"] > 1.0 and r["tokens_regenerated"] > 0 for r in moved)
-    # the trainer/vLLM log ratio of steps with continued samples: as small as whole ones' (CPU fp32)
-    assert max(r["log_ratio_abs_max"] for r in moved) <= TOL
+    # the trainer/vLLM log ratio of steps with continued samples: as small as whole ones' (CPU fp32; the bound
+    # issue 42 sets, tighter than TOL: a step's tokens are short, TOL covers one 200-token request's worst token)
+    assert max(r["log_ratio_abs_max"] for r in moved) <= 5e-5
 
 
 def test_episode_concatenates_turn_segments_and_context_takes_the_next_turns_version():
