@@ -545,7 +545,9 @@ def phase_pipeline(args, work: Path, model: Path, out: Path) -> dict:
 def _pipeline_mode(args, work: Path, model: Path, out: Path, gpus: int, mode: str, runs: dict, res: dict) -> None:
     """One `app train` run of the pipeline phase; its record goes to runs[mode] (mode-mps under --mps)."""
     key = f"{mode}-mps" if args.mps else mode
-    data = work / "prompts.jsonl"
+    # a length-tailed run has its own files (and document: main), never one of the reference shape's names
+    name = f"tail-{key}" if args.length_tail else key
+    data = work / ("prompts-tail.jsonl" if args.length_tail else "prompts.jsonl")
     _write_prompts(data, model)
     sets = list(args.pipeline_set)
     if args.length_tail:  # issue 42: each prompt its own long-tailed length (benchmarks/length_tail.py)
@@ -554,26 +556,26 @@ def _pipeline_mode(args, work: Path, model: Path, out: Path, gpus: int, mode: st
         mode, sets = "async", [*sets, "rollout.partial=true"]
     steps = args.pipeline_steps if mode == "async" else (args.sync_steps or args.pipeline_steps)
     cmd = [sys.executable, __file__, "_run", "--model", str(model), "--mode", mode, "--data", str(data),
-           "--steps", str(steps), "--gpus", str(gpus), "--out", str(work / f"run-{key}.json"),
+           "--steps", str(steps), "--gpus", str(gpus), "--out", str(work / f"run-{name}.json"),
            *[a for kv in sets for a in ("--set", kv)]]
     limit = _time_left(args)
     if limit is not None:
         cmd += ["--deadline-s", f"{max(limit - STOP_GRACE_S, 30.0):.0f}"]
     t0 = time.time()
-    dmon = _dmon_start(out / f"gpu_pipeline_{key}_dmon.txt")
-    log = out / f"gpu_pipeline_{key}.log"
+    dmon = _dmon_start(out / f"gpu_pipeline_{name}_dmon.txt")
+    log = out / f"gpu_pipeline_{name}.log"
     rc = run_logged(cmd, log, limit)
     if dmon is not None:
         dmon.terminate()
-    if not (work / f"run-{key}.json").exists():
+    if not (work / f"run-{name}.json").exists():
         res[f"{key}_error"] = f"exit {rc}: " + log.read_text(errors="replace")[-2000:]
         return
-    runs[key] = json.loads((work / f"run-{key}.json").read_text())
+    runs[key] = json.loads((work / f"run-{name}.json").read_text())
     runs[key].update(wall_s=time.time() - t0, measured_at=_now(), sets=list(args.pipeline_set), gpu_mps=args.mps)
-    for name in ("metrics.jsonl", "profile.txt"):
-        if (work / f"run-{key}.{name}").exists():
-            (out / f"gpu_pipeline_{key}.{name}").write_text((work / f"run-{key}.{name}").read_text())
-    runs[key].update(_dmon_summary(out / f"gpu_pipeline_{key}_dmon.txt"))
+    for what in ("metrics.jsonl", "profile.txt"):
+        if (work / f"run-{name}.{what}").exists():
+            (out / f"gpu_pipeline_{name}.{what}").write_text((work / f"run-{name}.{what}").read_text())
+    runs[key].update(_dmon_summary(out / f"gpu_pipeline_{name}_dmon.txt"))
 
 
 # A run stopped at its deadline ends its current step, checkpoints and shuts Ray down: this long.
@@ -918,7 +920,8 @@ def main(argv=None) -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu-pipeline-"))
     work.mkdir(parents=True, exist_ok=True)
     gpus = torch.cuda.device_count()
-    f = out / "gpu_pipeline.json"
+    # issue 42's length-tailed runs are their own document: their async run is not the reference shape's
+    f = out / ("gpu_pipeline_length_tail.json" if args.length_tail else "gpu_pipeline.json")
     doc = json.loads(f.read_text()) if f.exists() else {}
     doc.update({"device": f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else "cpu",
                 "workload": {**WORKLOAD, "shape": args.shape}, "versions": stack_versions(),
