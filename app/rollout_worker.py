@@ -47,6 +47,11 @@ WORKER_MAX_RESTARTS = -1
 # A slot whose group failed beyond ROLLOUT_GROUP's retries waits this long before its next group: a
 # service that is down is not hammered (the driver's stall watch ends a run whose service never returns).
 FAILED_GROUP_PAUSE_S = 4.0
+NEVER_PUBLISHED = "(never published)"  # the digest _check_served compares with for such a version
+
+
+def _short_digest(sha: str | None) -> str:
+    return sha if sha == NEVER_PUBLISHED else str(sha)[:12]
 
 
 @ray.remote(num_cpus=0)
@@ -262,8 +267,8 @@ class RolloutWorker:
         return await ROLLOUT_GROUP.run(attempt, on_retry=fresh_handle)
 
     async def _published_digest(self, version: int) -> bool:
-        """Cache the registry's digest of `version` (None for the base model, version 0); False when
-        there is nothing to compare with (trimmed from the registry already, or no registry here)."""
+        """Cache the registry's digest of `version` (None for the base model, version 0; the registry keeps
+        every version's, trimmed or failed); False when there is nothing to compare with (no registry here)."""
         if version in self._published_sha:
             return True
         if version == 0:
@@ -273,10 +278,11 @@ class RolloutWorker:
             registry = named_actor(REGISTRY_NAME, self.namespace)
             if registry is None:
                 return False
-            entry = await registry.get.remote(version)
-        except Exception:
+            self._published_sha[version] = await registry.digest.remote(version)
+        except KeyError:  # (Ray's task error is also the cause's type) never published: a mismatch below
+            self._published_sha[version] = NEVER_PUBLISHED
+        except Exception:  # the registry is being restarted: nothing to compare with this time
             return False
-        self._published_sha[version] = entry["meta"].get("sha256")
         return True
 
     async def _check_served(self, comps: list[dict]) -> None:
@@ -291,7 +297,10 @@ class RolloutWorker:
                 if not await self._published_digest(version):
                     continue
                 if sha != self._published_sha[version]:
-                    bad.append((version, comp.get("replica_id"), sha))
+                    # the cached digest may be a failed publish's, the version published again since: ask again
+                    del self._published_sha[version]
+                    if await self._published_digest(version) and sha != self._published_sha[version]:
+                        bad.append((version, comp.get("replica_id"), sha))
         self.version_mismatches += len(bad)
         if bad or not self._mismatches_reported:  # the first report makes the 0 visible
             self._count("version_mismatches", len(bad))
@@ -300,7 +309,7 @@ class RolloutWorker:
             version, replica, sha = bad[0]
             raise RuntimeError(f"served-version mismatch on {len(bad)} of {len(comps)} samples: replica {replica} "
                                f"answered policy-v{version} with sha256 {str(sha)[:12]}, the registry published "
-                               f"{str(self._published_sha[version])[:12]}")
+                               f"{_short_digest(self._published_sha[version])}")
 
     # ------------------------------------------------------------------ the loops
 

@@ -36,6 +36,10 @@ class AdapterRegistry:
         self._refs: dict[int, ray.ObjectRef] = {}
         self._meta: dict[int, dict] = {}
         self._live: list[int] = []
+        # version -> sha256 of every payload published (or attempted) under it, kept after the payload is trimmed
+        # or its publish failed: a rollout's every version stays checkable (a partial sample can hold tokens of a
+        # version that a failed publish had loaded on its replica for a moment, or one trimmed since)
+        self._digests: dict[int, str | None] = {}
         self._ingress = None  # DeploymentHandle of the Serve app's ingress
         self._ingress_args: tuple | None = None
         self._run_kwargs: dict = {}  # on a fleet: {"run": RUN, "token": its token}, passed with every change
@@ -73,6 +77,7 @@ class AdapterRegistry:
         t0 = time.perf_counter()
         self._refs[version] = ref
         self._meta[version] = dict(meta, version=version)
+        self._digests[version] = meta.get("sha256")
         load_s = 0.0
         retries = 0
         loaded: dict = {}
@@ -125,6 +130,14 @@ class AdapterRegistry:
         if version not in self._refs:
             raise KeyError(f"policy-v{version} is not held by the registry (held: {sorted(self._refs)})")
         return {"ref": [self._refs[version]], "meta": self._meta[version]}
+
+    async def digest(self, version: int) -> str | None:
+        """The sha256 of the payload last published (or attempted) under `version`, trimmed or not; KeyError
+        for a version never published. A version whose publish failed and was published again names the
+        new payload, so tokens of the failed one fail the rollout worker's check instead of passing it."""
+        if version not in self._digests:
+            raise KeyError(f"policy-v{version} was never published (newest: {max(self._digests, default=None)})")
+        return self._digests[version]
 
     async def hold(self, want: int | None, holder: str, ttl_s: float) -> int | None:
         """Pick a version as `pick_version` does (`want` if live, else the newest live one not newer) and

@@ -257,7 +257,8 @@ def test_served_version_and_digest(serve_env, svc, client):
 
 def test_rollout_worker_counts_version_mismatches(serve_env, svc, tmp_path):
     """The worker's check: the real router's completions pass (0 counted, reported as 0); a
-    completion whose digest is not the registry's is counted and its group refused."""
+    completion whose digest is not the registry's, or whose version it never published, is counted and
+    its group refused."""
     import ray
 
     from app.metrics import RunMetrics
@@ -271,8 +272,12 @@ def test_rollout_worker_counts_version_mismatches(serve_env, svc, tmp_path):
     forged = [dict(outs[0], sha256="0" * 64)] + outs[1:]
     with pytest.raises(ray.exceptions.RayTaskError, match="served-version mismatch on 1 of 2"):
         ray.get(worker._check_served.remote(forged))
+    # a version the registry never published is not "nothing to compare with": it is a mismatch
+    unknown = [dict(outs[0], version=999)] + outs[1:]
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"policy-v999 .* published \(never published\)"):
+        ray.get(worker._check_served.remote(unknown))
     ray.get(metrics.log_train.remote(1, {"loss": 0.0}))
-    assert ray.get(metrics.get_rows.remote())[-1]["version_mismatches"] == 1
+    assert ray.get(metrics.get_rows.remote())[-1]["version_mismatches"] == 2
     ray.kill(worker)
     ray.kill(metrics)
 

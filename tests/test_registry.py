@@ -104,6 +104,33 @@ def test_a_refused_load_is_not_retried_and_the_version_is_dropped(ray_local, mon
     assert asyncio.run(go()) == [] and loads == [1] and len(handles) == 1
 
 
+def test_every_version_keeps_its_digest_trimmed_failed_or_published_again(ray_local, monkeypatch):
+    """The rollout worker checks every version a sample ran under: the registry answers a trimmed version's
+    digest, a failed publish's (its tokens were served for a moment, policy `all`), and after the same
+    version is published again, the new payload's; a version never published is a KeyError."""
+    import torch
+
+    registry, _, _ = _registry(monkeypatch, [])
+    registry._expire_later = lambda versions: None
+
+    async def go():
+        await registry.attach_ingress("app")
+        for v in (1, 2, 3, 4, 5):
+            await registry.publish(v, {"w": torch.ones(2)}, {"kind": "adapter", "sha256": f"d{v}"})
+        assert await registry.live_versions() == [3, 4, 5]
+        assert [await registry.digest(v) for v in (1, 2, 5)] == ["d1", "d2", "d5"]
+        registry._ingress.errors.append(Refused("a replica refused it"))
+        with pytest.raises(Refused):
+            await registry.publish(6, {"w": torch.ones(2)}, {"kind": "adapter", "sha256": "failed"})
+        assert await registry.digest(6) == "failed" and await registry.live_versions() == [3, 4, 5]
+        await registry.publish(6, {"w": torch.zeros(2)}, {"kind": "adapter", "sha256": "d6"})
+        assert await registry.digest(6) == "d6"
+        with pytest.raises(KeyError, match="never published"):
+            await registry.digest(7)
+
+    asyncio.run(go())
+
+
 def test_a_held_version_outlives_the_live_window_until_released_or_its_lease_ends(ray_local, monkeypatch):
     """An evaluation holds the version it scores: it stays live (payload too) while newer versions turn
     over, leaves at release, and a holder that never releases loses it when its lease ends."""
