@@ -95,7 +95,7 @@ def test_rest_phase_records_the_serve_port_and_the_front(tmp_path):
     assert doc["rest_vs_vllm_serve"] == rest["rest_vs_vllm_serve_cpu"] > 0
     assert doc["rest_vs_vllm_front"] == rest["rest_vs_vllm_serve_cpu_front"] > 0
     assert doc["goals"]["rest_vs_vllm_front"]["met"] == (doc["rest_vs_vllm_front"] >= 0.9)
-    assert set(doc["measured_at"]) == {"rest"} and "rest_vs_vllm.py" in doc["rest"]["command"]
+    assert set(doc["measured_at"]) == {"rest"} and "benchmarks.rest_vs_vllm" in doc["rest"]["command"]
 
 
 def test_run_logged_keeps_the_output_of_a_child_killed_at_its_limit(tmp_path):
