@@ -101,11 +101,23 @@ def phase_pipeline(args, work: Path, model: Path, out: Path) -> dict:
         for mode in args.modes.split(","):
             _pipeline_mode(args, work, model, out, gpus, mode, runs, res)
     res["runs"] = {**args.prev_runs, f"{gpus}gpu": runs}
-    # The goal keys take the faster async run of the two set-ups (time-sliced, or under MPS) and name it;
-    # faster = more steps per hour (the mean step), not the p50.
+    res.update(pipeline_keys(runs, gpus))
+    if args.length_tail:
+        res["length_tail"] = args.length_tail
+    return res
+
+
+def pipeline_keys(runs: dict, gpus: int) -> dict:
+    """The goal keys from one GPU count's pipeline runs (records by mode: async, async-mps, sync, sync-mps,
+    async-partial[-mps]). They take the faster async run of the two set-ups (time-sliced, or under MPS) and
+    name it; faster = more steps per hour (the mean step), not the p50. async_vs_sync pairs it with the sync
+    run of the same set-up (sync-mps beside async-mps), else the other one, and names that too."""
+    res: dict = {}
     timed = [k for k in ("async", "async-mps") if runs.get(k, {}).get("step_seconds_mean")]
     best = min(timed, key=lambda k: runs[k]["step_seconds_mean"]) if timed else "async"
-    a, s = runs.get(best, {}), runs.get("sync", {})
+    sync_keys = ("sync-mps", "sync") if best.endswith("-mps") else ("sync", "sync-mps")
+    sync = next((k for k in sync_keys if runs.get(k, {}).get("step_seconds_mean")), None)
+    a, s = runs.get(best, {}), runs.get(sync, {}) if sync else {}
     if a.get("step_seconds_mean"):
         res["pipeline_async_run"] = best
         res[f"step_seconds_{gpus}gpu_p50"] = a["step_seconds_p50"]
@@ -113,12 +125,11 @@ def phase_pipeline(args, work: Path, model: Path, out: Path) -> dict:
         res["publish_to_served_p50_s"] = a.get("publish_to_served_p50") or a.get("publish_seconds_p50")
     if a.get("step_seconds_mean") and s.get("step_seconds_mean"):
         # Steps per hour, async over sync: the same work per step.
+        res["pipeline_sync_run"] = sync
         res[f"async_vs_sync_{gpus}gpu"] = s["step_seconds_mean"] / a["step_seconds_mean"]
     for partial in ("async-partial", "async-partial-mps"):
         if runs.get(partial, {}).get("step_seconds_mean") and a.get("step_seconds_mean"):
             res[f"partial_vs_async_{gpus}gpu"] = a["step_seconds_mean"] / runs[partial]["step_seconds_mean"]
-    if args.length_tail:
-        res["length_tail"] = args.length_tail
     if runs.get("async-mps", {}).get("step_seconds_mean"):
         res[f"step_seconds_{gpus}gpu_mps_p50"] = runs["async-mps"]["step_seconds_p50"]
         res[f"step_seconds_{gpus}gpu_mps_mean"] = runs["async-mps"]["step_seconds_mean"]

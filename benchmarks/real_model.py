@@ -238,7 +238,8 @@ def baseline(args, cfg, command: str) -> dict:
         trainers["liger off"] = cfg.replace(train={"liger_kernels": "off"})
         trainers["liger off, fused_lora off"] = cfg.replace(train={"liger_kernels": "off", "fused_lora": False})
     # float32: the precision floor: how far each bf16 side (engine, trainer) is from the same model in fp32.
-    trainers["float32"] = cfg.replace(model={"dtype": "float32"})
+    # (train.dtype: a float32 model.dtype is refused beside GPU engines, whose LoRA kernels take bf16/fp16 only)
+    trainers["float32"] = cfg.replace(train={"dtype": "float32"})
     gap: dict[str, dict] = {}
     per_token: dict[str, list[float]] = {}
     for name, tcfg in trainers.items():

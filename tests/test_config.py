@@ -75,6 +75,7 @@ def test_overrides_are_typed(tmp_path):
     (["grpo.prompts_per_step=1", "grpo.group_size=2", "train.num_workers=3"], "grpo.prompts_per_step"),
     (["train.max_tokens_per_micro_batch=100", "model.max_model_len=512"], "train.max_tokens_per_micro_batch"),
     (["rollout.gpus_per_replica=1"], "rollout.gpus_per_replica"),
+    (["train.use_gpu=true", "rollout.gpus_per_replica=0.5", "model.dtype=float32"], "model.dtype"),
     (["train.use_gpu=true", "train.zero_stage=3"], "train.zero_stage"),
     (["train.use_gpu=true", "train.gpus_per_worker=2"], "train.gpus_per_worker"),
     (["sync.every=4", "sync.max_staleness=2"], "sync.every"),

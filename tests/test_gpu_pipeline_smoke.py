@@ -168,6 +168,25 @@ def test_unmeasured_reasons_follow_the_machine_and_keep_hand_written_ones(tmp_pa
     assert "lora_vs_base_decode" not in out
 
 
+def test_async_vs_sync_pairs_the_runs_of_one_set_up():
+    """The H100 sitting of 2026-12-05 ran async and sync under MPS (sync-mps); the ratio looked for a run
+    named `sync` and stayed null. It pairs the async run with the sync one of the same set-up, else the
+    other, and names both."""
+    from benchmarks.gpu_pipeline import pipeline_keys
+
+    def rec(mean):
+        return {"step_seconds_mean": mean, "step_seconds_p50": mean - 1, "publish_to_served_p50": 0.1}
+
+    keys = pipeline_keys({"async-mps": rec(7.5), "sync-mps": rec(12.87)}, 1)
+    assert keys["pipeline_async_run"] == "async-mps" and keys["pipeline_sync_run"] == "sync-mps"
+    assert keys["async_vs_sync_1gpu"] == pytest.approx(12.87 / 7.5)
+    # both set-ups measured: the faster async run (time-sliced here) with its own sync run
+    keys = pipeline_keys({"async-mps": rec(7.5), "sync-mps": rec(12.0), "async": rec(7.0), "sync": rec(10.5)}, 1)
+    assert (keys["pipeline_async_run"], keys["pipeline_sync_run"]) == ("async", "sync")
+    assert keys["async_vs_sync_1gpu"] == pytest.approx(1.5) and keys["step_seconds_1gpu_mps_mean"] == 7.5
+    assert "async_vs_sync_2gpu" not in pipeline_keys({"async": rec(5.0)}, 2)
+
+
 def test_bursty_async_steps_report_their_mean_beside_the_p50():
     """The H200's two-engine run (2026-12-04): with max_staleness 2 the async steps come two fast (batches
     already there) and one slow (waiting for the engines); their p50 (4.0 s) met the step target while 500 steps

@@ -70,6 +70,9 @@ def main(argv=None) -> int:
     adapter = model.parent / (model.name + "-adapter")
     prompts = [[1, 5, 9, 13, 17], [2, 4, 6, 8]]
     engine_out: dict = {}
+    # vLLM's GPU LoRA kernels take float16/bfloat16 only (an assert in lora_shrink: the H100 check of 2026-12-05);
+    # on CPU float32 keeps the agreement bound tight.
+    dtype = "bfloat16" if gpu else "float32"
 
     def engine():
         from benchmarks.probes.decode_host import zero_adapter
@@ -79,7 +82,7 @@ def main(argv=None) -> int:
         from vllm.lora.request import LoRARequest
 
         llm = LLM(str(model), enforce_eager=True, enable_lora=True, max_lora_rank=8, max_model_len=128,
-                  gpu_memory_utilization=0.3 if gpu else 0.9, dtype="float32")
+                  gpu_memory_utilization=0.3 if gpu else 0.9, dtype=dtype)
         outs = llm.generate([{"prompt_token_ids": q} for q in prompts],
                             SamplingParams(max_tokens=8, temperature=1.0, logprobs=0, ignore_eos=True),
                             lora_request=LoRARequest("policy-v1", 1, str(adapter)), use_tqdm=False)
@@ -94,7 +97,7 @@ def main(argv=None) -> int:
         from transformers import AutoModelForCausalLM
 
         dev = "cuda" if gpu else "cpu"
-        base = AutoModelForCausalLM.from_pretrained(str(model), torch_dtype=torch.float32).to(dev)
+        base = AutoModelForCausalLM.from_pretrained(str(model), torch_dtype=getattr(torch, dtype)).to(dev)
         peft = PeftModel.from_pretrained(base, str(adapter)).eval()
         worst = 0.0
         for q, (toks, lps) in engine_out.items():

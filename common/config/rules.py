@@ -84,6 +84,11 @@ def cross_section_problems(cfg: Config) -> list[str]:
          or cfg.data.builtin_size <= 4096,
          f"eval.path: builtin:letters-heldout is disjoint from the first 4096 builtin:letters prompts only; "
          f"data.builtin_size is {cfg.data.builtin_size}"),
+        # vLLM's GPU LoRA kernels (punica, triton) assert float16/bfloat16 inputs: found on an H100, 2026-12-05
+        (rollout.gpus_per_replica == 0 or cfg.sync.mode == "merge" or cfg.torch_dtype != "float32",
+         "model.dtype: float32 with GPU engines (rollout.gpus_per_replica) and sync.mode adapter: vLLM's GPU LoRA "
+         "kernels take float16/bfloat16 only; use model.dtype bfloat16 (or auto) and, for a float32 trainer, "
+         "train.dtype float32"),
     )
 
 
