@@ -127,6 +127,14 @@ def pipeline_keys(runs: dict, gpus: int) -> dict:
         # Steps per hour, async over sync: the same work per step.
         res["pipeline_sync_run"] = sync
         res[f"async_vs_sync_{gpus}gpu"] = s["step_seconds_mean"] / a["step_seconds_mean"]
+    # --lever runs (MODE[-mps]+NAME): each one's mean step and its speed-up over the defaults' run of its set-up
+    levers = {k: r["step_seconds_mean"] for k, r in runs.items() if "+" in k and r.get("step_seconds_mean")}
+    if levers:
+        res[f"levers_{gpus}gpu"] = {
+            k: {"step_seconds_mean": v, "sets": runs[k].get("sets"),
+                "vs_defaults": (runs[k.split("+")[0]]["step_seconds_mean"] / v
+                                if runs.get(k.split("+")[0], {}).get("step_seconds_mean") else None)}
+            for k, v in levers.items()}
     for partial in ("async-partial", "async-partial-mps"):
         if runs.get(partial, {}).get("step_seconds_mean") and a.get("step_seconds_mean"):
             res[f"partial_vs_async_{gpus}gpu"] = a["step_seconds_mean"] / runs[partial]["step_seconds_mean"]
@@ -139,8 +147,10 @@ def pipeline_keys(runs: dict, gpus: int) -> dict:
 def _pipeline_mode(args, work: Path, model: Path, out: Path, gpus: int, mode: str, runs: dict, res: dict) -> None:
     """One `app train` run of the pipeline phase; its record goes to runs[mode] (mode-mps under --mps)."""
     key = f"{mode}-mps" if args.mps else mode
+    if args.lever:  # a lever's run is recorded beside the defaults' (levers_1gpu), never in their place
+        key = f"{key}+{args.lever}"
     # a length-tailed run has its own files (and document: main), never one of the reference shape's names
-    name = f"tail-{key}" if args.length_tail else key
+    name = (f"tail-{key}" if args.length_tail else key).replace("+", "--")  # file names: no '+' (the lease's copy)
     data = work / ("prompts-tail.jsonl" if args.length_tail else "prompts.jsonl")
     _write_prompts(data, model)
     sets = list(args.pipeline_set)
@@ -384,6 +394,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pipeline-set", action="append", default=[],
                    help="pipeline phase: config KEY=VALUE, after the measured-best defaults "
                         f"({', '.join(PIPELINE_DEFAULT_SETS)}; a later set wins)")
+    p.add_argument("--lever", default="", metavar="NAME",
+                   help="pipeline phase: record the runs as MODE[-mps]+NAME (with the --pipeline-set that makes the "
+                        "lever), beside the defaults' runs and compared with them (levers_1gpu), never in their place")
     p.add_argument("--mps", action=argparse.BooleanOptionalAction, default=True,
                    help="pipeline phase: under a CUDA MPS daemon (cluster/gpu_mps.py) where the machine supports it, "
                         "else time-sliced with one line saying why; runs recorded as MODE-mps (default: on, the "
@@ -399,6 +412,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         f"{STOP_GRACE_S:.0f} s before and keeps the steps it made; 0: no limit")
     args = p.parse_args(argv)
     args.pipeline_set = [*PIPELINE_DEFAULT_SETS, *args.pipeline_set]
+    if args.lever and not args.lever.replace("-", "").replace("_", "").isalnum():
+        p.error(f"--lever: a name of letters, digits, - and _ (it names files), got {args.lever!r}")
     return args
 
 

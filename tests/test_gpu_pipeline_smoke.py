@@ -185,6 +185,18 @@ def test_async_vs_sync_pairs_the_runs_of_one_set_up():
     assert (keys["pipeline_async_run"], keys["pipeline_sync_run"]) == ("async", "sync")
     assert keys["async_vs_sync_1gpu"] == pytest.approx(1.5) and keys["step_seconds_1gpu_mps_mean"] == 7.5
     assert "async_vs_sync_2gpu" not in pipeline_keys({"async": rec(5.0)}, 2)
+    # a lever's run (--lever NAME) is compared with the defaults' run of its set-up, never taken for it
+    keys = pipeline_keys({"async-mps": rec(7.5), "async-mps+trainer-lp": {**rec(6.0), "sets": ["x=1"]}}, 1)
+    assert keys["step_seconds_1gpu_mean"] == 7.5
+    assert keys["levers_1gpu"]["async-mps+trainer-lp"]["vs_defaults"] == pytest.approx(1.25)
+
+
+def test_lever_names_are_file_safe():
+    from benchmarks.gpu_pipeline import parse_args
+
+    assert parse_args(["--lever", "trainer-lp"]).lever == "trainer-lp"
+    with pytest.raises(SystemExit):
+        parse_args(["--lever", "a/b"])
 
 
 def test_bursty_async_steps_report_their_mean_beside_the_p50():
