@@ -24,8 +24,11 @@ _IDENTITY = ("idx", "id", "name")  # a task's position and names, not what the m
 
 
 def eval_config(cfg):
-    """`cfg` (Config) whose environment is the one the held-out tasks come from: env.args updated by eval.args."""
-    if not cfg.eval.args:
+    """`cfg` (Config) whose environment is the one the held-out tasks come from: env.args updated by eval.args
+    (with eval.path verifiers; any other run's environment is its own)."""
+    from common.config import VERIFIERS_EVAL
+
+    if cfg.eval.path != VERIFIERS_EVAL or not cfg.eval.args:
         return cfg
     return cfg.replace(env={"args": {**cfg.env.args, **cfg.eval.args}})
 
