@@ -240,7 +240,8 @@ def cmd_eval(argv: list[str]) -> int:
         "starts the service, runs the training-time evaluation once, prints accuracy, stops."))
     p.add_argument("--model", required=True, help="HF model directory")
     p.add_argument("--adapter", help="saved PEFT adapter directory (served as policy-v1)")
-    p.add_argument("--data", required=True, help="parquet/JSONL/dir like data.path, or builtin:letters-heldout")
+    p.add_argument("--data", required=True, help="parquet/JSONL/dir like data.path, builtin:letters-heldout, "
+                   "reasoning-gym:TASK, or verifiers (held-out tasks of the --config's env.verifiers)")
     p.add_argument("--samples", type=int, default=None, help="eval prompts (default eval.samples)")
     p.add_argument("--pass-k", type=int, default=None, help="also report pass@k (k samples at grpo.temperature)")
     p.add_argument("--config", help="YAML config for the rest (reward, columns, engine)")

@@ -2,7 +2,9 @@
 (the same handle API, routing and replicas as the rollouts) under one pinned version -> the run's reward
 -> `eval/accuracy` (pass@1, greedy) and, with `eval.pass_k` > 1, `eval/pass@k` (k samples at
 grpo.temperature, any of them correct). A completion is correct when its reward is >= 1 (the full score
-of the 0/1 rewards in app/rewards.py).
+of the 0/1 rewards in app/rewards.py). In a multi-turn run each prompt is an episode scored like the rollouts,
+and an environment that reports reward parts (a verifiers environment's functions; its held-out tasks are
+`eval.path: verifiers`, app/verifiers_eval.py) gets each part's mean greedy score as `eval/reward/NAME`.
 
 During training the driver kicks an `Evaluator` actor every `eval.every` steps and collects the result
 later (it never waits for it while a step is due; app/eval_schedule.py); `python -m app eval` runs the same
@@ -29,12 +31,15 @@ EPISODE_ATTEMPTS = 3  # an eval episode whose version left the live window start
 
 def eval_rows(cfg: Config, path: str | None = None, samples: int | None = None) -> list[dict]:
     """The first `eval.samples` rows of `eval.path`, read like data.path (same columns, same checks)."""
-    from app import reasoning_gym_tasks
+    from app import reasoning_gym_tasks, verifiers_eval
     from app.data import load_prompts
+    from common.config import VERIFIERS_EVAL
 
     count = samples or cfg.eval.samples
     if reasoning_gym_tasks.is_reasoning_gym(path or cfg.eval.path):  # held out from the training items
         return reasoning_gym_tasks.eval_rows(cfg.replace(eval={"path": path or cfg.eval.path}), count)
+    if (path or cfg.eval.path) == VERIFIERS_EVAL:  # the environment's tasks, held out from the training ones
+        return verifiers_eval.eval_rows(cfg, count)
     return load_prompts(cfg.data.replace(path=path or cfg.eval.path, builtin_size=count, mix=[], args={}))[:count]
 
 
@@ -53,6 +58,14 @@ def score_eval(greedy: list[float], sampled: list[list[float]] | None = None, k:
     return out
 
 
+def reward_parts(parts: list[dict[str, float]]) -> dict[str, float]:
+    """`eval/reward/NAME`: each reward function's mean score over the episodes that were scored (a failed one has
+    no scores; it counts in eval/env_errors)."""
+    names = sorted({name for p in parts for name in p})
+    return {f"eval/reward/{name}": sum(p[name] for p in parts if name in p) / sum(name in p for p in parts)
+            for name in names}
+
+
 @ray.remote(num_cpus=0)
 class Evaluator:
     """Holds the eval prompts, tokenizer and reward; `run(version, step)` scores one version."""
@@ -68,10 +81,12 @@ class Evaluator:
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
         self.scorer = load_scorer(self.cfg.reward.fn) if self.cfg.reward.fn else None
         self.episodes = None
-        if self.cfg.env.cls:  # multi-turn: each eval prompt is an episode, scored like the rollouts
+        if self.cfg.env.episodic:  # multi-turn: each eval prompt is an episode, scored like the rollouts
             from app.episodes import EpisodeRollout
+            from app.verifiers_eval import eval_config
 
-            self.episodes = EpisodeRollout(self.cfg, self.tokenizer, self.scorer)
+            # a verifiers environment as its held-out tasks load it (eval.args): their task config and rubric
+            self.episodes = EpisodeRollout(eval_config(self.cfg), self.tokenizer, self.scorer)
             self.prompts = [[] for _ in rows]
         else:
             self.prompts = [render_prompt(r, self.tokenizer, self.cfg.data) for r in rows]
@@ -96,13 +111,15 @@ class Evaluator:
         return self._handle
 
     async def _one(self, sem: asyncio.Semaphore, ids: list[int], row: dict, version: int | None, k: int
-                   ) -> tuple[float, list[float] | None, int]:
+                   ) -> tuple[float, list[float] | None, int, dict[str, float]]:
+        """The prompt's greedy reward, its k sampled ones (or None), the version served, and the greedy episode's
+        reward parts (an environment's per-function scores; {} single-turn)."""
         grpo = self.cfg.grpo
         if self.episodes is not None:
             async with sem:
                 greedy = await self._episode(row, version, 0.0)
                 sampled = [await self._episode(row, version, grpo.temperature) for _ in range(k)] if k > 1 else None
-            return greedy[0], [r for r, _ in sampled] if sampled else None, greedy[1]
+            return greedy[0], [r[0] for r in sampled] if sampled else None, greedy[1], greedy[2]
         async with sem:
             greedy = await self._ingress().generate_group.remote(
                 ids, 1, version, {"max_tokens": grpo.max_new_tokens, "temperature": 0.0, "logprobs": False})
@@ -112,12 +129,13 @@ class Evaluator:
                     ids, k, version, {"max_tokens": grpo.max_new_tokens, "temperature": grpo.temperature,
                                       "top_p": grpo.top_p, "logprobs": False})
         score = lambda c: float(self.scorer(c["text"], row, c.get("finish_reason")))  # noqa: E731
-        return score(greedy[0]), [score(c) for c in sampled] if sampled else None, int(greedy[0]["version"])
+        return score(greedy[0]), [score(c) for c in sampled] if sampled else None, int(greedy[0]["version"]), {}
 
-    async def _episode(self, row: dict, version: int | None, temperature: float) -> tuple[float, int]:
-        """One episode's reward and version; an environment failure scores 0 (counted). An episode outlives
-        many training steps: when its version leaves the live window mid-episode (gone), it is played
-        again under the newest one."""
+    async def _episode(self, row: dict, version: int | None, temperature: float
+                       ) -> tuple[float, int, dict[str, float]]:
+        """One episode's reward, version and reward parts; an environment failure scores 0 (counted, no parts).
+        An episode outlives many training steps: when its version leaves the live window mid-episode (gone), it
+        is played again under the newest one."""
         from app.envs import EnvError
         from common.faults import is_gone
 
@@ -134,10 +152,10 @@ class Evaluator:
 
             try:
                 ep = await self.episodes.play(row, generate)
-                return self.episodes.reward(ep, row), int(ep.version)
+                return self.episodes.reward(ep, row), int(ep.version), dict(ep.stats.rewards)
             except EnvError:
                 self.env_errors += 1
-                return 0.0, int(version)
+                return 0.0, int(version), {}
             except Exception as e:
                 if not is_gone(e) or attempt == EPISODE_ATTEMPTS - 1:
                     raise
@@ -167,6 +185,7 @@ class Evaluator:
         out.update({"eval/version": max(served), "eval/step": int(step), "eval/seconds": time.perf_counter() - t0})
         if self.episodes is not None:
             out["eval/env_errors"] = self.env_errors
+        out.update(reward_parts([r[3] for r in res]))
         return out
 
 

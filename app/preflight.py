@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from app.resume import Resume
-from common.config import Config, ConfigError, needs_merge
+from common.config import VERIFIERS_EVAL, Config, ConfigError, needs_merge
 
 logger = logging.getLogger("app")
 
@@ -25,10 +25,10 @@ def preflight(cfg: Config) -> tuple[Config, list[dict]]:
         cfg = cfg.replace(sync={"mode": "merge"})
     ensure_model(cfg.model.path, cfg.model.build_tiny, cfg.model.tiny_seed, cfg.model.tiny_shape)
     rows = load_prompts(cfg.data) if cfg.env.verifiers is None else verifiers_prompts(cfg)
-    if cfg.eval.path and cfg.eval.path.startswith("reasoning-gym:"):  # a bad eval task fails here, not mid-run
-        from app.reasoning_gym_tasks import eval_rows
+    if cfg.eval.path and (cfg.eval.path.startswith("reasoning-gym:") or cfg.eval.path == VERIFIERS_EVAL):
+        from app.evaluate import eval_rows  # a bad eval task or too few held-out ones fail here, not mid-run
 
-        eval_rows(cfg, cfg.eval.samples)
+        eval_rows(cfg)
     check_target_modules(cfg)
     if cfg.env.cls:
         check_episodes(cfg, rows[0])

@@ -68,11 +68,8 @@ def verifiers_rows(env_cfg, limit: int) -> list[dict]:
     taskset = env.taskset if env.taskset.bounded else env.taskset.take(limit)
     rows = []
     for task in taskset:
-        data = task.data
-        rows.append({"id": str(data.id if data.id is not None else data.idx), "prompt": data.prompt_text,
-                     "answer": str(getattr(data, "answer", "") or ""),
-                     "vf_task": data.model_dump(mode="json")})
-        if len(rows) == 1 and not reward_names(task) and _single_agent(env):  # an Env's run() may record_reward
+        rows.append(task_row(task))
+        if len(rows) == 1 and not reward_names(task) and single_agent(env):  # an Env's run() may record_reward
             raise VerifiersError(f"env.verifiers: {env_cfg.verifiers!r}: its task {type(task).__name__} has no "
                                  "@vf.reward function (no rubric to train on)")
     if not rows:
@@ -81,7 +78,15 @@ def verifiers_rows(env_cfg, limit: int) -> list[dict]:
     return rows
 
 
-def _single_agent(env) -> bool:
+def task_row(task) -> dict:
+    """A task as a data row `{id, prompt, answer, vf_task}` (vf_task: its wire data, to rebuild it from)."""
+    data = task.data
+    return {"id": str(data.id if data.id is not None else data.idx), "prompt": data.prompt_text,
+            "answer": str(getattr(data, "answer", "") or ""), "vf_task": data.model_dump(mode="json")}
+
+
+def single_agent(env) -> bool:
+    """Whether `env` is verifiers' single-turn SingleAgentEnv (not a module's Env with its own run())."""
     from verifiers.v1.envs.single_agent.env import SingleAgentEnv
 
     return isinstance(env, SingleAgentEnv)

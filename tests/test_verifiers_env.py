@@ -4,16 +4,19 @@ package would be) loads through verifiers' own loader, its tasks become the prom
 episode (weighted sum, each function's score on the step metrics); a multi-turn environment (vf_steps_env: its own
 Env.run() through app/verifiers_bridge.py) plays its turns through the episode loop, ends on max_turns, fails only
 its episode when run() raises and leaves no run() behind; bad environments fail at validation; the
-re-tokenization detector; and short real runs (Ray, Serve, vLLM, DeepSpeed) train on both environments."""
+re-tokenization detector; and short real runs (Ray, Serve, vLLM, DeepSpeed) train on both environments, one of them
+evaluating held-out tasks every step (eval.path: verifiers; the rest of its tests in tests/test_verifiers_eval.py)."""
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from app.episodes import EpisodeRollout
 from app.token_continuity import extends, retokenized_turns
@@ -319,3 +322,37 @@ def test_a_short_run_trains_on_the_multi_turn_environment(serve_env, tmp_path):
     # step 1 scores the base weights the episodes were sampled under: the trainer's logprob of every sampled token
     # of every turn equals the engine's, so the ids it trained on are the engine's, turn by turn
     assert rows[0]["log_ratio_abs_max"] <= LOGPROB_TOL
+
+
+@pytest.mark.slow
+def test_a_short_run_evaluates_held_out_tasks_every_step(serve_env, tmp_path):
+    """Real Ray, Serve, vLLM, DeepSpeed: the base policy and every published version are scored on held-out tasks
+    of the environment by its rubric (greedy episodes under the evaluated version), with each function's score."""
+    from app import driver
+    from app.evaluate import eval_rows
+    from app.verifiers_env import verifiers_rows
+
+    cfg = C.load("recipes/verifiers-cpu.yaml", [
+        f"model.path={serve_env.model_dir}", "model.build_tiny=false", f"run.out_dir={tmp_path}", "run.name=vfev",
+        'env.args={"size": 32}', "eval.path=verifiers", 'eval.args={"seed": 1}', "eval.samples=4", "eval.every=1",
+        "train.total_steps=2", "train.num_workers=1", "train.cpus_per_worker=0.5", "rollout.replicas=1",
+        "rollout.cpus_per_replica=0.5", "grpo.prompts_per_step=2", "grpo.group_size=4", "checkpoint.every=0",
+        f"rollout.http_port={serve_env.http_port}", "run.stall_timeout_s=300"])
+    summary = driver.run(cfg, progress=False)
+    assert summary["steps"] == 2
+    history = summary["eval_history"]
+    assert history and history[-1]["eval/step"] == 2 and history[-1]["eval/version"] >= 1  # a trained version
+    assert summary["eval/samples"] == 4
+    for ev in history:
+        for key in ("eval/accuracy", "eval/reward_mean", "eval/reward/exact_match", "eval/reward/starts_with_answer"):
+            assert math.isfinite(ev[key]) and 0.0 <= ev[key] <= 1.0, (key, ev)
+        # exact_match is the only weighted function: the greedy reward is its score, correct when it is 1
+        assert ev["eval/reward_mean"] == pytest.approx(ev["eval/reward/exact_match"]) == ev["eval/accuracy"]
+        assert ev["eval/env_errors"] == 0
+    rows = [json.loads(line) for line in (tmp_path / "vfev" / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/accuracy" in r for r in rows)
+    # the held-out tasks of the run's own config (as the driver read them): none is a training prompt
+    run_cfg = C.from_dict(yaml.safe_load((tmp_path / "vfev" / "config.yaml").read_text()))
+    held = eval_rows(run_cfg)
+    assert len(held) == 4 and not ({r["prompt"] for r in verifiers_rows(run_cfg.env, run_cfg.data.builtin_size)}
+                                  & {r["prompt"] for r in held})

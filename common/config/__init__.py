@@ -44,5 +44,12 @@ from common.config.model_data import DataConfig, LoraConfig, ModelConfig, Reward
 from common.config.rollout import RolloutConfig, RouterConfig  # noqa: F401
 from common.config.root import Config  # noqa: F401
 from common.config.rules import fleet_problems, missing_loggers, needs_merge  # noqa: F401
-from common.config.run import CheckpointConfig, EnvConfig, EvalConfig, RunConfig, SyncConfig  # noqa: F401
+from common.config.run import (  # noqa: F401
+    VERIFIERS_EVAL,
+    CheckpointConfig,
+    EnvConfig,
+    EvalConfig,
+    RunConfig,
+    SyncConfig,
+)
 from common.config.train import LIGER_ON_NEEDS_GPU, TrainConfig  # noqa: F401

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from common.config.base import broken
 from common.config.choices import LOGGER_PACKAGES
+from common.config.run import VERIFIERS_EVAL
 
 if TYPE_CHECKING:
     from common.config.root import Config
@@ -45,8 +46,12 @@ def cross_section_problems(cfg: Config) -> list[str]:
         (cfg.env.verifiers is None or cfg.reward.fn is None,
          "reward.fn: a verifiers environment (env.verifiers) scores with its own @vf.reward functions; set "
          "reward.fn: null"),
-        (cfg.env.verifiers is None or cfg.eval.path is None,
-         "eval.path: a verifiers run (env.verifiers) has no held-out split yet; set eval.path: null"),
+        (cfg.env.verifiers is None or cfg.eval.path in (None, VERIFIERS_EVAL),
+         f"eval.path: a verifiers run (env.verifiers) evaluates on its environment's own tasks: set eval.path: "
+         f"{VERIFIERS_EVAL} (held-out tasks, eval.args the taskset's config over env.args) or null"),
+        (cfg.eval.path != VERIFIERS_EVAL or cfg.env.verifiers is not None,
+         f"eval.path: {VERIFIERS_EVAL} evaluates on the held-out tasks of the run's verifiers environment; set "
+         "env.verifiers, or give eval.path a file or builtin set"),
         (cfg.env.cls is None or cfg.reward.where == "worker",
          "reward.where: task runs single-turn rewards only; a multi-turn run (env.cls) scores episodes in the worker"),
         (cfg.env.cls is None or grpo.dapo_overlong_buffer == 0,

@@ -7,6 +7,8 @@ from common.config.choices import LoggerName, RunMode, SyncMode, words
 from common.config.reasoning_gym import REASONING_GYM
 from common.types import RUN_NAME
 
+VERIFIERS_EVAL = "verifiers"  # eval.path: the held-out tasks of the run's verifiers environment (env.verifiers)
+
 
 class SyncConfig(Section):
     section = "sync"
@@ -100,10 +102,14 @@ class EvalConfig(Section):
     path: str | None = option(
         None, "Held-out prompts scored during training through the served policy: a file or "
               "directory like data.path (same columns and reward), `builtin:letters-heldout` "
-              "(letters prompts disjoint from `builtin:letters`), or `reasoning-gym:TASK` (held-out items: "
-              "another seed, never a training question; docs/TASKS.md); null = no evaluation.")
-    args: dict = option({}, "reasoning-gym eval.path only: task config over the training one (default seed: the "
-                            "data seed + 1000003; size: drawn as needed).")
+              "(letters prompts disjoint from `builtin:letters`), `reasoning-gym:TASK` (held-out items: "
+              "another seed, never a training question; docs/TASKS.md), or `verifiers` (the env.verifiers "
+              "environment's tasks under eval.args, never a training prompt; docs/VERIFIERS.md); null = no "
+              "evaluation.")
+    args: dict = option({}, "reasoning-gym eval.path: task config over the training one (default seed: the "
+                            "data seed + 1000003; size: drawn as needed). eval.path verifiers: the taskset's "
+                            "config over env.args (e.g. {seed: 1}, a split); default: env.args (an infinite "
+                            "taskset's tasks after the training ones).")
     every: int = option(10, "Evaluate the version just published every N optimizer steps (also before step 1 and "
                             "after the last step); runs beside the rollouts, never stalls training.", ge=1)
     samples: int = option(64, "Eval prompts (the first N of eval.path).", ge=1)
@@ -112,8 +118,9 @@ class EvalConfig(Section):
 
     def problems(self) -> list[str]:
         return broken((self.path is None or bool(self.path.strip()), "eval.path: must be null or a path, got ''"),
-                      (not self.args or (self.path or "").startswith(REASONING_GYM),
-                       "eval.args: a reasoning-gym task's config; eval.path is not reasoning-gym:TASK"))
+                      (not self.args or (self.path or "").startswith(REASONING_GYM) or self.path == VERIFIERS_EVAL,
+                       "eval.args: a reasoning-gym task's config (or, with eval.path verifiers, the taskset's "
+                       "config); eval.path is neither reasoning-gym:TASK nor verifiers"))
 
 
 class EnvConfig(Section):
