@@ -42,33 +42,34 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import ctypes
 import json
 import os
-import platform
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from app.tiny_model import serve_config
-from benchmarks._common import cpu_s_between, process_tree_cpu_s
+# The servers, the client's passes and what they share live in the _rest_vs_vllm_* modules; tests and
+# benchmarks/probes/rest_latency.py still reach these names through this module (rv.VllmServer, rv.probe, ...).
+from benchmarks._rest_vs_vllm_client import all_failed, client_argv, log_service_errors, one_pass, probe
+from benchmarks._rest_vs_vllm_common import (
+    ENDPOINTS,
+    METRICS,
+    REPO,
+    SMOKE,
+    WORKLOAD,
+    Progress,
+    _gpus,
+    _jsonable,
+    code_state,
+    log,
+    machine,
+)
+from benchmarks._rest_vs_vllm_servers import VllmServer, service_config, start_rest
 from common.lora_payloads import make_lora_payload
-from common.ports import free_port
-from common.processes import descendant_pids
 
-REPO = Path(__file__).resolve().parents[1]
-
-WORKLOAD = {"input_len": 48, "output_len": 32, "concurrency": 16, "requests": 160, "rounds": 4, "lora_rank": 8,
-            "dataset": "random", "streaming": True, "ignore_eos": True, "model_name": "policy-v1"}
-SMOKE = {"requests": 32, "rounds": 2}
-ENDPOINTS = {"completions": ("openai", "/v1/completions"), "chat": ("openai-chat", "/v1/chat/completions")}
 SIDES = ("rest", "front", "vllm")  # --sides picks ours; vllm always last
 SIDE_LABELS = {"rest": "our REST (Serve port: proxy -> Ingress -> replica)",
                "front": "our REST front (HAProxy -> replica port)",
@@ -78,401 +79,6 @@ PREFIX = {"rest": "", "front": "front_", "direct": "direct_"}
 SUFFIX = {"rest": "", "front": "_front", "direct": "_replica_port"}
 WHERE = {"rest": "Serve port", "front": "REST front", "direct": "replica port"}
 GOAL = 0.9
-# The Serve processes of our side whose CPU time a pass records (Ray titles them ray::NAME).
-REST_PROCS = {"proxy": "ProxyActor", "ingress": "ServeReplica:policy:Ingress",
-              "replica": "ServeReplica:policy:RolloutReplica"}
-METRICS = {"output_tok_s": "output_throughput", "request_s": "request_throughput", "ttft_p50_ms": "median_ttft_ms",
-           "ttft_p99_ms": "p99_ttft_ms", "tpot_p50_ms": "median_tpot_ms", "itl_p50_ms": "median_itl_ms",
-           "e2el_p50_ms": "median_e2el_ms", "completed": "completed", "failed": "failed",
-           "output_tokens": "total_output_tokens", "duration_s": "duration"}
-
-
-def log(msg: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
-
-
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
-def service_config(model: Path, gpus: int):
-    """The one Config both sides' engines come from: one replica of `model`, the benchmark's LoRA rank."""
-    cfg = serve_config(model, replicas=1, max_lora_rank=WORKLOAD["lora_rank"])
-    if gpus:
-        cfg = cfg.replace(model={"dtype": "bfloat16", "max_model_len": 2048}, train={"use_gpu": True},
-                          rollout={"gpus_per_replica": 1, "gpu_memory_utilization": 0.4, "enforce_eager": False,
-                                   "max_num_seqs": 256})
-    return cfg
-
-
-def engine_flags(kwargs: dict) -> list[str]:
-    """`engine_kwargs(cfg)` as vLLM CLI flags (bools as --x / --no-x, dicts as JSON)."""
-    out = []
-    for k, v in kwargs.items():
-        if k == "model" or v is None:
-            continue
-        flag = "--" + k.replace("_", "-")
-        if k == "disable_log_stats":  # a plain store_true flag
-            out += [flag] if v else []
-        elif isinstance(v, bool):
-            out.append(flag if v else "--no-" + flag[2:])
-        else:
-            out += [flag, json.dumps(v) if isinstance(v, dict) else str(v)]
-    return out
-
-
-# vLLM's EngineCore logs this just before it allocates its KV cache ("GPU KV cache size: N tokens", from vLLM
-# 0.8 on): past it, that server's memory profiling is done.
-KV_LINE = b"KV cache size:"
-
-
-# Resolved here, before any fork: the child only calls it.
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-
-
-def _die_with_parent():
-    """preexec_fn: the server gets SIGTERM when this process dies, even by SIGKILL (a lease or a pipeline's
-    limit kills this process's group, and the server has its own session): Linux's PR_SET_PDEATHSIG."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-class VllmServer:
-    """`python -m vllm.entrypoints.openai.api_server` in its own process group (stopped as a group), started
-    at once; a thread watches its log and /health, so our service starts while this one does
-    (`wait_kv`, `wait_ready`). `kv_s` / `ready_s`: seconds from launch to its KV cache / its /health 200."""
-
-    def __init__(self, cmd: list[str], port: int, log_path: Path, env: dict | None = None,
-                 env_extra: dict | None = None, on_event=None, timeout_s: float = 900):
-        """Launch `cmd`, a server that answers GET /health on `port` once ready (`for_engine`: vLLM's own);
-        `env` and `env_extra` (recorded apart: what the replica's engine gets, and what only this one
-        does) go on top of this process's environment."""
-        self.cmd, self.port, self.log_path = cmd, port, log_path
-        self.env, self.env_extra = dict(env or {}), dict(env_extra or {})
-        full_env = dict(os.environ, **{**self.env, **self.env_extra}, PYTHONPATH=os.pathsep.join(filter(None, [
-            str(REPO), os.environ.get("PYTHONPATH")])), PYTHONUNBUFFERED="1")
-        self._start(full_env, on_event, timeout_s)
-
-    @classmethod
-    def for_engine(cls, cfg, adapter: Path, log_path: Path, on_event=None, timeout_s: float = 900,
-                   log_kv: bool = False) -> VllmServer:
-        """vLLM's api_server on the engine settings our replica gets from `cfg`, serving `adapter`."""
-        from serve_deployments.engine_config import engine_env, engine_kwargs
-
-        port = free_port()
-        kw = engine_kwargs(cfg)
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", kw["model"],
-               *engine_flags(kw), "--lora-modules", f"{WORKLOAD['model_name']}={adapter}",
-               "--host", "127.0.0.1", "--port", str(port)]
-        env = engine_env(cfg)  # the replica's engine gets the same
-        # `log_kv`: its engine's INFO lines (at startup; with disable_log_stats none while serving), for KV_LINE.
-        extra = ({"VLLM_LOGGING_LEVEL": "INFO"} if log_kv and env.get("VLLM_LOGGING_LEVEL", "INFO")
-                 not in ("INFO", "DEBUG") else {})
-        return cls(cmd, port, log_path, env, extra, on_event, timeout_s)
-
-    def _start(self, env: dict, on_event, timeout_s: float) -> None:
-        """Launch self.cmd (output to self.log_path) and the thread that watches it and self.port's /health."""
-        self._log = open(self.log_path, "w")  # closed in close()
-        self.on_event = on_event or log
-        self.kv_s = self.ready_s = self.error = None
-        self._kv, self._done, self._closing = threading.Event(), threading.Event(), False
-        self.launched = time.time()
-        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
-        self._watch = threading.Thread(target=self._watch_loop, args=(timeout_s,), name="vllm-server-watch",
-                                       daemon=True)
-        self._watch.start()
-
-    def _watch_loop(self, timeout_s: float) -> None:
-        deadline, pos, tail = time.monotonic() + timeout_s, 0, b""
-        try:
-            while not self._closing:
-                if self.kv_s is None:
-                    with open(self.log_path, "rb") as f:
-                        f.seek(pos)
-                        chunk = f.read()
-                    pos += len(chunk)
-                    if KV_LINE in tail + chunk:
-                        self.kv_s = time.time() - self.launched
-                        self.on_event(f"vLLM api_server: its engine allocates its KV cache ({self.kv_s:.0f}s "
-                                      "after launch)")
-                        self._kv.set()
-                    tail = chunk[-len(KV_LINE):] if chunk else tail
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); log {self.log_path}")
-                with contextlib.suppress(OSError):
-                    with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
-                        if r.status == 200:
-                            self.ready_s = time.time() - self.launched
-                            self.on_event(f"vLLM api_server ready on :{self.port} ({self.ready_s:.0f}s after "
-                                          "launch)")
-                            return
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"vLLM server not ready after {timeout_s:.0f}s; log {self.log_path}")
-                time.sleep(1)
-        except Exception as e:
-            self.error = e
-            self.on_event(f"vLLM api_server failed: {e}")
-        finally:
-            self._kv.set()
-            self._done.set()
-
-    def _wait(self, event: threading.Event) -> None:
-        while not event.wait(1):  # in slices: a signal's handler runs between them
-            pass
-        if self.error is not None:
-            raise self.error
-
-    def wait_kv(self) -> None:
-        """Until its engine has profiled its memory and allocates its KV cache (or it is ready, or failed)."""
-        self._wait(self._kv)
-
-    def wait_ready(self) -> None:
-        """Until /health answers 200; raises when the server exited or did not get there in time."""
-        self._wait(self._done)
-
-    def log_tail(self, chars: int = 3000) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")[-chars:]
-        return ""
-
-    def close(self) -> None:
-        self._closing = True
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._watch.join(timeout=10)
-        self._log.close()
-
-
-def start_rest(cfg, payload, before_deploy=None, progress=log, direct_ingress: bool = False,
-               front: bool = False) -> tuple[dict, tuple]:
-    """Our service on cfg.rollout.http_port, policy-v1 published before the app starts; waits until healthy
-    (its reason to `progress` every ~30 s while not). `before_deploy()`, when given, runs after Ray is up and
-    before the app (and so its engine) starts. Returns the ports ("rest": the service's, "direct": the
-    replica's own REST port, "front": the REST front's when `front`) and what the caller holds while it serves
-    (the registry's handle, the front or None): the registry
-    dies with its owner's last handle, and then no request can be served (on the H200, 2026-12-04, every
-    request of three sittings failed so).
-
-    `direct_ingress`: Ray Serve's experimental direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS, Ray 2.60): the
-    Ingress replica listens itself and requests skip the proxy. Serve reads its port range from the
-    environment of the processes Ray starts, so it is pinned to one free port before `ray.init`."""
-    import ray
-
-    from common.registry import get_or_create_registry
-    from serve_deployments.app_builder import start_with_adapter, wait_healthy
-
-    ingress_port = None
-    if direct_ingress:
-        ingress_port = free_port()
-        os.environ.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1", RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(ingress_port),
-                          RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(ingress_port + 1))
-    ray.init(address="local", num_cpus=4, num_gpus=min(1, _gpus()), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
-                                       "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
-    # Picked after Ray's own agents bound theirs. Under direct ingress the (idle) proxy keeps this one, and
-    # the Ingress must not ask for it: it would fail to bind and Serve would block the port.
-    cfg = cfg.replace(rollout={"http_port": free_port(), "replica_http_port": 0})
-    registry = get_or_create_registry()
-    if before_deploy is not None:
-        before_deploy()
-    progress("our service: deploying (proxy, Ingress, one RolloutReplica; policy-v1 published first)")
-    handle, version = start_with_adapter(cfg, registry, payload)
-    assert version == 1, version
-    progress("our service: deployed; waiting for its health (every replica up, holding policy-v1)")
-    wait_healthy(handle, log=progress)
-    replica_port = int(handle.stats.remote().result()["replicas"][0]["http_url"].rsplit(":", 1)[1].split("/")[0])
-    ports = {"rest": ingress_port or cfg.rollout.http_port, "direct": replica_port}
-    watch = None
-    if front:
-        from serve_deployments.haproxy_front import start_front
-
-        cfg = cfg.replace(rollout={"front_port": 0})
-        try:
-            watch = start_front(cfg, handle)
-        except (OSError, RuntimeError) as e:  # no HAProxy here: the other sides are still worth measuring
-            progress(f"our REST front did not start, measured without it: {type(e).__name__}: {e}")
-        else:
-            ports["front"] = watch.front.port
-            progress(f"our REST front: HAProxy on :{ports['front']} -> replica port :{replica_port}")
-    return ports, (registry, watch)
-
-
-def _jsonable(x):
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return str(x)
-
-
-class Progress:
-    """Stage lines (timestamped, flushed, kept) and OUT/rest_vs_vllm_{device}_partial.json, rewritten at each
-    stage and after each pass, so a run killed at any point leaves the passes it finished and where it
-    stopped. A run that finishes removes it (its final document has everything)."""
-
-    def __init__(self, path: Path, base: dict, passes: int):
-        self.path, self.base, self.passes = path, base, passes
-        self.rounds, self.starts, self.stages = [], {}, []
-        self.t0 = time.time()
-        self._lock = threading.RLock()
-
-    def passes_done(self) -> int:
-        return sum(len(row.get(ep, {})) for row in self.rounds for ep in ENDPOINTS)
-
-    def stage(self, msg: str) -> None:
-        log(msg)
-        with self._lock:
-            self.stages.append({"at": time.strftime("%H:%M:%S"), "s": round(time.time() - self.t0, 1), "what": msg})
-            self.write(f"running, {self.passes_done()} of {self.passes} passes done; last stage: {msg}")
-
-    def write(self, reason: str, **extra) -> None:
-        with self._lock:
-            doc = {"partial": True, "partial_reason": reason,
-                   "partial_is": "rewritten at each stage and after each pass; a run that finishes removes it, so "
-                                 "one left behind was stopped (killed, or failed as partial_reason says) after its "
-                                 "last stage",
-                   "passes_done": self.passes_done(), "passes": self.passes, **self.base,
-                   "server_start_s": self.starts, "stages": self.stages, "rounds": self.rounds,
-                   "wall_s": time.time() - self.t0, "updated_at": time.strftime("%Y-%m-%d %H:%M:%S"), **extra}
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps(doc, indent=2, default=_jsonable))
-            os.replace(tmp, self.path)  # whole: a kill mid-write leaves the previous one
-
-
-def client_argv(endpoint: str, port: int, model: Path, requests: int, seed: int) -> list[str]:
-    """`vllm bench serve` arguments of one pass."""
-    backend, path = ENDPOINTS[endpoint]
-    w = WORKLOAD
-    return ["--backend", backend, "--endpoint", path, "--host", "127.0.0.1", "--port", str(port),
-            "--model", w["model_name"], "--tokenizer", str(model), "--dataset-name", w["dataset"],
-            "--random-input-len", str(w["input_len"]), "--random-output-len", str(w["output_len"]),
-            "--num-prompts", str(requests), "--max-concurrency", str(w["concurrency"]), "--seed", str(seed),
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
-            "--save-detailed"]  # keeps the per-request errors in the result (dropped otherwise)
-
-
-def run_client(argv: list[str], log_file) -> dict:
-    """One `vllm bench serve` pass in this process (its output to `log_file`); its result dict."""
-    import asyncio
-
-    from vllm.benchmarks.serve import add_cli_args, main_async
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser()
-    add_cli_args(parser)
-    args = parser.parse_args(argv)
-    log_file.write(f"\n===== vllm bench serve {' '.join(argv)}\n")
-    log_file.flush()
-    with contextlib.redirect_stdout(log_file), contextlib.redirect_stderr(log_file):
-        return asyncio.run(main_async(args))
-
-
-def side_pids(side: str, server: VllmServer, front_pid: int | None = None) -> dict[str, int]:
-    if side == "vllm":
-        return {"server": server.proc.pid}
-    out = {"haproxy": front_pid} if side == "front" and front_pid else {}
-    for name, title in REST_PROCS.items() if side == "rest" else [("replica", REST_PROCS["replica"])]:
-        pids = descendant_pids(title)
-        if pids:
-            out[name] = min(pids)
-    return out
-
-
-def one_pass(side: str, endpoint: str, ports: dict, server: VllmServer, model: Path, requests: int, seed: int,
-             log_file, front_pid: int | None = None) -> dict:
-    pids = side_pids(side, server, front_pid)
-    before = {name: process_tree_cpu_s([pid]) for name, pid in pids.items()}
-    client0 = time.process_time()
-    res = run_client(client_argv(endpoint, ports[side], model, requests, seed), log_file)
-    client_cpu = time.process_time() - client0
-    after = {name: process_tree_cpu_s([pid]) for name, pid in pids.items()}
-    out = {k: res.get(v) for k, v in METRICS.items()}
-    done = max(1, out["completed"] or 0)
-    out["cpu_ms_per_request"] = {name: 1000 * cpu_s_between(before[name], after[name]) / done for name in pids}
-    out["cpu_ms_per_request"]["client"] = 1000 * client_cpu / done
-    errors = collections.Counter(e.strip()[-500:] for e in res.get("errors") or [] if e)
-    if errors:
-        out["errors"] = dict(errors.most_common(3))  # the distinct messages, with how many requests got each
-    return out
-
-
-def probe(port: int, endpoint: str, timeout_s: float = 120.0, max_tokens: int = 4, stream: bool = False) -> dict:
-    """One small request to a side, before the passes: its status, the start of its body and its seconds.
-    The benchmark client keeps only a failed request's HTTP reason ("Internal Server Error"); the body
-    says what went wrong. (benchmarks/probes/rest_latency.py times requests with it.)"""
-    path = ENDPOINTS[endpoint][1]
-    body = ({"prompt": "1 2 3"} if endpoint == "completions" else
-            {"messages": [{"role": "user", "content": "1 2 3"}]})
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method="POST",
-                                 data=json.dumps({"model": WORKLOAD["model_name"], "max_tokens": max_tokens,
-                                                  "stream": stream, **body}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    t = time.perf_counter()
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            status, text = r.status, r.read().decode(errors="replace")
-    except urllib.error.HTTPError as e:
-        status, text = e.code, e.read().decode(errors="replace")
-    except Exception as e:  # refused, reset, timed out
-        status, text = None, f"{type(e).__name__}: {e}"
-    return {"status": status, "body": text[:2000], "seconds": round(time.perf_counter() - t, 5)}
-
-
-def all_failed(res: dict) -> str | None:
-    """Why a pass is of no use: every request failed (the first error, for the log); None otherwise."""
-    if res.get("completed") or not res.get("failed"):
-        return None
-    first = next(iter(res.get("errors") or {}), "no error text")
-    return f"all {res['failed']} requests failed; first error: {first}"
-
-
-def service_errors(per_file: int = 12) -> str:
-    """What a failing REST side said, since the client sees only a status and a reason: the death cause of
-    every dead actor of this Ray session, then per Serve log (proxy, Ingress, replica) and per worker
-    stderr its last ERROR / Traceback / fatal lines."""
-    import ray
-
-    out = []
-    try:  # the GCS's actor table (ray.util.state would need the dashboard)
-        from ray._private.state import actors
-
-        for a in actors().values():
-            if a.get("State") == "DEAD":
-                cause = str(a.get("DeathCause"))[:1500]
-                out.append(f"dead actor {a.get('ActorClassName')} pid {a.get('Pid')}: {cause}")
-    except Exception as e:
-        out.append(f"(no actor table: {e})")
-    try:
-        logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
-    except Exception:
-        return "\n".join(out)
-    marks = (" ERROR ", "Traceback", "Error", "Fatal", "Segmentation", "SIGSEGV", "SIGABRT", "core dumped",
-             "Aborted", "CUDA", "Killed")
-    for f in sorted([*logs.glob("serve/*.log"), *logs.glob("worker-*.err")]):
-        text = f.read_text(errors="replace").splitlines()
-        lines = [line for line in text if any(m in line for m in marks)]
-        out += [f"{f.name}: {line[:400]}" for line in lines[-per_file:]]
-        last = max((i for i, line in enumerate(text) if "Traceback" in line), default=None)
-        if last is not None:  # the newest traceback: its head (which call) and its tail (which error)
-            end = next((j for j in range(last + 1, len(text)) if text[j][:1].strip()), len(text) - 1)
-            tb = text[last:end + 1]
-            tb = tb if len(tb) <= 40 else [*tb[:4], "...", *tb[-32:]]
-            out.append(f"{f.name}: last traceback:")
-            out += [f"    {line[:400]}" for line in tb]
-    return "\n".join(out)
-
-
-def log_service_errors() -> None:
-    log(f"service errors:\n{service_errors()}")
 
 
 def _ratio_text(x, unit: str = "") -> str:
@@ -511,32 +117,6 @@ def summarize(rounds: list[dict]) -> dict:
             out[ep] |= {f"{prefix}ratio_runs": ratios, f"{prefix}ratio": _median(ratios),
                         f"{prefix}ttft_p50_ratio": _median(ttft)}
     return out
-
-
-def machine(load_at_start: list[float]) -> dict:
-    import ray
-    import vllm
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    info = {"cpus": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
-            "python": platform.python_version(), "vllm": vllm.__version__, "ray": ray.__version__,
-            "load_avg_1_5_15_min_at_start": load_at_start, "load_avg_1_5_15_min_at_end": list(os.getloadavg())}
-    if _gpus():
-        import torch
-
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
-
-
-def code_state() -> dict:
-    """The commit measured, and the serving code's uncommitted changes (others edit the same tree)."""
-    def git(*a):
-        r = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    dirty = git("status", "--porcelain", "--", "serve_deployments", "common", "app")
-    return {"commit": git("rev-parse", "HEAD"), "uncommitted_serving_files": dirty.splitlines() if dirty else []}
 
 
 def table(summary: dict) -> str:
