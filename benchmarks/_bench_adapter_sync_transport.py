@@ -23,7 +23,8 @@ TRANSPORT_REGISTRY = "adapter-sync-transport-registry"
 
 
 def _transport_deployments():
-    """Defined inside a function so Serve pickles them by value (this file is not an importable module)."""
+    """Defined inside a function so Serve pickles them by value: the replicas need not import this module (the
+    script runs as __main__, and workers may lack the repository's path)."""
     from ray import serve
 
     class NoEngine:

@@ -23,8 +23,10 @@ METRICS = ("output_tok_s", "request_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_
 @pytest.mark.bench
 def test_smoke_measures_both_servers(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.rest_vs_vllm", "--smoke", "--out", str(out),
-                           "--work", str(work)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    # all three sides (the default is the front alone, against vLLM)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.rest_vs_vllm", "--smoke", "--sides", "rest,front",
+                           "--out", str(out), "--work", str(work)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "round 2/2" in proc.stdout and "rest_vs_vllm_serve_cpu" in proc.stdout  # progress lines, then the table
     for stage in ("vLLM api_server launched", "vLLM api_server ready", "our service: deploying",
