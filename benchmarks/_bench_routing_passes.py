@@ -101,6 +101,16 @@ def _delta(a: dict, b: dict) -> dict:
     return out
 
 
+def _leading_held(hashes: list, held: set) -> int:
+    """How many of a prompt's chained block hashes, from the first, a cache holding `held` has."""
+    n = 0
+    for x in hashes:
+        if x not in held:
+            break
+        n += 1
+    return n
+
+
 def placement(groups: list[dict], wl: dict, G: int) -> dict:
     """Affinity and implied cache hits from where the engine served each request (replica id in each
     response), groups in the order they were started: on a replica, the first request of a (prompt,
@@ -124,18 +134,8 @@ def placement(groups: list[dict], wl: dict, G: int) -> dict:
         ever.add(key)
         for rid in g["replicas"]:
             h = held.setdefault(rid, set())
-            n = 0
-            for x in hashes[:cap]:
-                if x not in h:
-                    break
-                n += 1
-            implied_hits += n * bs
-            m = 0
-            for x in hashes[:cap]:
-                if x not in ideal_held:
-                    break
-                m += 1
-            ideal_hits += m * bs
+            implied_hits += _leading_held(hashes[:cap], h) * bs
+            ideal_hits += _leading_held(hashes[:cap], ideal_held) * bs
             queried += len(toks)
             s = seen.setdefault(rid, set())
             bucket["n"] += 1
