@@ -35,12 +35,12 @@ def eval_rows(cfg: Config, path: str | None = None, samples: int | None = None) 
     from app.data import load_prompts
     from common.config import VERIFIERS_EVAL
 
-    count = samples or cfg.eval.samples
-    if reasoning_gym_tasks.is_reasoning_gym(path or cfg.eval.path):  # held out from the training items
-        return reasoning_gym_tasks.eval_rows(cfg.replace(eval={"path": path or cfg.eval.path}), count)
-    if (path or cfg.eval.path) == VERIFIERS_EVAL:  # the environment's tasks, held out from the training ones
+    count, path = samples or cfg.eval.samples, path or cfg.eval.path
+    if reasoning_gym_tasks.is_reasoning_gym(path):  # held out from the training items
+        return reasoning_gym_tasks.eval_rows(cfg.replace(eval={"path": path}), count)
+    if path == VERIFIERS_EVAL:  # the environment's tasks, held out from the training ones
         return verifiers_eval.eval_rows(cfg, count)
-    return load_prompts(cfg.data.replace(path=path or cfg.eval.path, builtin_size=count, mix=[], args={}))[:count]
+    return load_prompts(cfg.data.replace(path=path, builtin_size=count, mix=[], args={}))[:count]
 
 
 def score_eval(greedy: list[float], sampled: list[list[float]] | None = None, k: int = 1) -> dict:

@@ -18,6 +18,7 @@ def preflight(cfg: Config) -> tuple[Config, list[dict]]:
     """Everything that can fail before an actor starts: model dir, data and columns, target modules.
     Returns the config to run (merge sync where vLLM cannot serve the adapter) and the training prompts."""
     from app.data import load_prompts
+    from app.reasoning_gym_tasks import is_reasoning_gym
     from app.tiny_model import ensure_model
 
     if (reason := needs_merge(cfg)) and cfg.sync.mode == "adapter":
@@ -25,7 +26,7 @@ def preflight(cfg: Config) -> tuple[Config, list[dict]]:
         cfg = cfg.replace(sync={"mode": "merge"})
     ensure_model(cfg.model.path, cfg.model.build_tiny, cfg.model.tiny_seed, cfg.model.tiny_shape)
     rows = load_prompts(cfg.data) if cfg.env.verifiers is None else verifiers_prompts(cfg)
-    if cfg.eval.path and (cfg.eval.path.startswith("reasoning-gym:") or cfg.eval.path == VERIFIERS_EVAL):
+    if is_reasoning_gym(cfg.eval.path) or cfg.eval.path == VERIFIERS_EVAL:
         from app.evaluate import eval_rows  # a bad eval task or too few held-out ones fail here, not mid-run
 
         eval_rows(cfg)

@@ -128,13 +128,14 @@ def pipeline_keys(runs: dict, gpus: int) -> dict:
         res["pipeline_sync_run"] = sync
         res[f"async_vs_sync_{gpus}gpu"] = s["step_seconds_mean"] / a["step_seconds_mean"]
     # --lever runs (MODE[-mps]+NAME): each one's mean step and its speed-up over the defaults' run of its set-up
-    levers = {k: r["step_seconds_mean"] for k, r in runs.items() if "+" in k and r.get("step_seconds_mean")}
+    levers = {}
+    for k, r in runs.items():
+        if "+" in k and r.get("step_seconds_mean"):
+            defaults = runs.get(k.split("+")[0], {}).get("step_seconds_mean")
+            levers[k] = {"step_seconds_mean": r["step_seconds_mean"], "sets": r.get("sets"),
+                         "vs_defaults": defaults / r["step_seconds_mean"] if defaults else None}
     if levers:
-        res[f"levers_{gpus}gpu"] = {
-            k: {"step_seconds_mean": v, "sets": runs[k].get("sets"),
-                "vs_defaults": (runs[k.split("+")[0]]["step_seconds_mean"] / v
-                                if runs.get(k.split("+")[0], {}).get("step_seconds_mean") else None)}
-            for k, v in levers.items()}
+        res[f"levers_{gpus}gpu"] = levers
     for partial in ("async-partial", "async-partial-mps"):
         if runs.get(partial, {}).get("step_seconds_mean") and a.get("step_seconds_mean"):
             res[f"partial_vs_async_{gpus}gpu"] = a["step_seconds_mean"] / runs[partial]["step_seconds_mean"]
