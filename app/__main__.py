@@ -100,7 +100,9 @@ def cmd_train(argv: list[str]) -> int:
     from pathlib import Path
 
     run_dir = Path(summary["run_dir"])
-    print(f"done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s; reward "
+    budget = (f" of {summary['total_steps']} (train.max_minutes {cfg.train.max_minutes:g} spent)"
+              if summary.get("ended_by") == "train.max_minutes" else "")
+    print(f"done: {summary['steps']}{budget} steps in {summary['wall_seconds']:.0f}s; reward "
           f"{summary['reward_first_quarter']:.3f} (first quarter) -> "
           f"{summary['reward_last_quarter']:.3f} (last quarter); "
           f"adapter {summary['adapter_dir']}; run dir {run_dir}")

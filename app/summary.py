@@ -39,8 +39,12 @@ def finish_run(cfg: Config, result, actors: RunActors, evals: EvalSchedule | Non
     if not rows:
         raise RuntimeError(f"training finished without a single step (run dir {run_dir})")
     in_flight = cfg.rollout.workers * cfg.rollout.groups_per_worker
+    # A finished run short of its steps ended on its time budget (the trainer stops early for nothing else
+    # that lets the run finish).
+    short = int(rows[-1]["step"]) < cfg.train.total_steps
     summary = summarize(rows, wall, {
         **idle_fractions(rows, in_flight),
+        "total_steps": cfg.train.total_steps, "ended_by": "train.max_minutes" if short else "train.total_steps",
         "mode": cfg.run.mode, "max_staleness": cfg.sync.max_staleness, "sync_mode": cfg.sync.mode,
         "adapter_dir": str(adapter_dir) if adapter_dir else None,
         "checkpoint": result.checkpoint.path if result.checkpoint else None,

@@ -109,6 +109,7 @@ def test_each_rule_names_its_key(sets, key):
     (["train.mps_sm_percent=101"], "train.mps_sm_percent: must be in [1, 100], got 101"),
     (["grpo.top_p=0"], "grpo.top_p: must be in (0, 1], got 0"),
     (["train.profile_step=0"], "train.profile_step: must be >= 1 or null, got 0"),
+    (["train.max_minutes=0"], "train.max_minutes: must be > 0 or null, got 0"),
     (["train.total_steps=ten"], "train.total_steps: expected int, got 'ten'"),
     (["train.use_gpu=maybe"], "train.use_gpu: expected bool, got 'maybe'"),
     (["rollout.kv_cache_gib=0.5"], "rollout.kv_cache_gib: expected int, got 0.5"),

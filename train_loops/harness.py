@@ -152,9 +152,6 @@ class HarnessWorker(GRPOWorker):
         if not (self.torchrun or self.synthetic):
             super()._count_start()
 
-    def _stop_requested(self) -> bool:
-        return False if self.synthetic else super()._stop_requested()
-
     def _local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", "0")) if self.torchrun else super()._local_rank()
 

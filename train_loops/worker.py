@@ -159,9 +159,15 @@ class GRPOWorker:
             saved = (every and step % every == 0) or step == total
             if saved:
                 self.save_checkpoint(step, row)
-            if step < total and self._stop_requested():
+            if step < total:
+                reason = self._end_reason()
+                if reason is None:
+                    continue
                 if not saved:
                     self.save_checkpoint(step, row)
+                if reason == "time" and self.rank == 0:
+                    print(f"trainer: train.max_minutes ({self.cfg.train.max_minutes:g}) spent after step {step} of "
+                          f"{total}: the run ends here", flush=True)
                 break
         self.publisher.flush()  # the last version is served before the run reports done
 
@@ -177,7 +183,8 @@ class GRPOWorker:
         pending = pub.pop("served_pending", 0)
         prompts = self._record_prompts(batch)
         self.state.update(step=step, version=self.publisher.version,
-                          consumed_groups=self.state["consumed_groups"] + len(batch.groups))
+                          consumed_groups=self.state["consumed_groups"] + len(batch.groups),
+                          train_seconds=self.state.get("train_seconds", 0.0) + time.perf_counter() - t0)
         if self.buffer is not None:
             # Every step: drops stale groups early and, once the version is served (at once unless its
             # publish runs in the background: then the publisher's on_served), frees generation slots.
@@ -393,20 +400,27 @@ class GRPOWorker:
 
             ray.get(self.buffer.rewind.remote(self.consumed.to_state()))
 
-    def _stop_requested(self) -> bool:
-        """Collective: rank 0 asks the buffer whether the driver asked to stop; every rank gets the answer."""
-        flag = False
-        if self.buffer is not None:
-            import ray
+    def _end_reason(self) -> str | None:
+        """Collective: whether the run ends after this step, decided by rank 0 (each rank's clock differs) and
+        broadcast: "stop" when the driver asked to stop (its buffer says so), "time" when train.max_minutes of
+        steps are spent (the steps' own seconds, kept in the checkpoint's state: restarts and --resume go on
+        counting), None to go on."""
+        reason = None
+        if self.rank == 0:
+            limit = self.cfg.train.max_minutes
+            if limit is not None and self.state.get("train_seconds", 0.0) >= 60.0 * limit:
+                reason = "time"
+            elif self.buffer is not None:
+                import ray
 
-            try:
-                flag = bool(ray.get(self.buffer.stop_requested.remote(), timeout=30))
-            except Exception:  # a buffer that cannot answer asked for nothing
-                flag = False
-        obj = [flag]
+                try:
+                    reason = "stop" if ray.get(self.buffer.stop_requested.remote(), timeout=30) else None
+                except Exception:  # a buffer that cannot answer asked for nothing
+                    reason = None
+        obj = [reason]
         if dist.is_initialized() and self.world > 1:
             dist.broadcast_object_list(obj, src=0, device=self._obj_device())
-        return bool(obj[0])
+        return obj[0]
 
     def _device(self) -> torch.device:
         if not self.cfg.train.use_gpu:

@@ -25,6 +25,11 @@ class TrainConfig(Section):
               "memory (GPU) or 16384 (CPU).")
     max_grad_norm: float = option(1.0, "Gradient clipping (0 = off).", ge=0)
     total_steps: int = option(30, "Optimizer steps to run.", ge=1)
+    max_minutes: float | None = option(
+        None, "Training time budget: once the run's steps have taken this many minutes (counted over restarts and "
+              "--resume), the step under way finishes, a checkpoint is saved and the run ends as a finished one "
+              "(final eval, adapter, summary) short of train.total_steps; the lr schedule stays the one over "
+              "train.total_steps. null: run train.total_steps.", gt=0)
     seed: int = option(0, "Seed of LoRA init, sampling and shuffles.")
     gradient_checkpointing: bool = option(False, "Recompute activations in backward (GPU, long sequences).")
     logprob_chunk: int = option(
