@@ -76,6 +76,7 @@ def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command
     n = cfg.grpo.prompts_per_step * cfg.grpo.group_size
     return {
         "run": name, "command": command, "wall_seconds": wall, "steps": len(rows),
+        "total_steps": cfg.train.total_steps, "ended_by": summary.get("ended_by"),  # train.max_minutes or steps
         # tiny_shape names the model only when this run built it; model.path otherwise (gpu_pipeline's runs).
         "model_shape": cfg.model.tiny_shape if cfg.model.build_tiny else None, "model_path": str(cfg.model.path),
         "sync_mode": cfg.sync.mode,

@@ -123,7 +123,7 @@ def record(cfg, rows: list[dict], summary: dict, wall: float, command: str, mode
         else None,
         "eval_samples": summary.get("eval/samples"), "eval_greedy": True,
         "train_minutes": (rows[-1]["time"] - t_start) / 60 if rows else None,
-        "wall_minutes_with_startup": wall / 60, "steps": len(rows),
+        "wall_minutes_with_startup": wall / 60, "steps": len(rows), "ended_by": summary.get("ended_by"),
         "step_seconds_p50": _p50([r.get("step_seconds") for r in rows[2:] or rows]),
         "reward_first_quarter": summary.get("reward_first_quarter"),
         "reward_last_quarter": summary.get("reward_last_quarter"),
