@@ -4,12 +4,12 @@ to back):
 
     bash benchmarks/gpu_lease.sh run python3 -m benchmarks.gpu_queue benchmarks/gpu_queue.txt --budget-s 540
 
-QUEUE holds one item per line, `NAME SECONDS COMMAND...` (a line starting with `#` is a comment), in the order they matter. A call
-runs, in order, each item not yet run whose SECONDS fit in what is left of its --budget-s, each with SECONDS as its
-limit (its process group ended there), and stops at the first that does not fit: that item opens the next call. An
-item longer than a whole call is skipped and said so. What each item did (exit code, seconds, the tail of its
-output) goes to STATE (default /tmp/gpout/queue_state.json, which outlives a call while the machine stays warm), its
-whole output to /tmp/gpout/NAME.log."""
+QUEUE holds one item per line, `NAME SECONDS COMMAND...` (a line starting with `#` is a comment), in the order they
+matter. A call runs, in order, each item not yet run whose SECONDS fit in what is left of its --budget-s, each with
+SECONDS as its limit (its process group ended there), and stops at the first that does not fit: that item opens the
+next call. An item longer than a whole call is skipped and said so. What each item did (exit code, seconds, the tail
+of its output) goes to STATE (default /tmp/gpout/queue_state.json, which outlives a call while the machine stays
+warm), its whole output to /tmp/gpout/NAME.log."""
 from __future__ import annotations
 
 import argparse

@@ -211,7 +211,7 @@ def test_bursty_async_steps_report_their_mean_beside_the_p50():
     rows = [{"step": i + 1, "step_seconds": s, "reward_mean": 0.5} for i, s in enumerate(seconds)]
     ns = types.SimpleNamespace
     cfg = ns(grpo=ns(prompts_per_step=16, group_size=8), model=ns(tiny_shape="small", build_tiny=False, path="/m"),
-             sync=ns(mode="adapter"))
+             sync=ns(mode="adapter"), train=ns(total_steps=12))
     rec = record("pipeline-async", cfg, rows, {}, 100.0, "")
     assert rec["step_seconds_p50"] == 4.0
     assert rec["step_seconds_mean"] == pytest.approx(sum(seconds[2:]) / 10) and rec["step_seconds_mean"] > 6.0
@@ -231,7 +231,7 @@ def test_bursty_generation_reports_its_rate_not_a_p50_of_zero():
             for i, (t, g) in enumerate(steps)]
     ns = types.SimpleNamespace
     cfg = ns(grpo=ns(prompts_per_step=16, group_size=8), model=ns(tiny_shape="small", build_tiny=True, path="/m"),
-             sync=ns(mode="adapter"))
+             sync=ns(mode="adapter"), train=ns(total_steps=12))
     rec = record("pipeline-async", cfg, rows, {}, 100.0, "")
     assert rec["gen_tokens_per_s_p50"] == 0.0 and rec["model_shape"] == "small"
     tokens = sum(t * g for t, g in steps[2:])
@@ -293,7 +293,7 @@ def test_records_carry_judge_partial_and_eval_results():
              "partial_resumed": 2, "tokens_regenerated": 150}]
     ns = types.SimpleNamespace
     cfg = ns(grpo=ns(prompts_per_step=16, group_size=8), model=ns(tiny_shape="small", build_tiny=True, path="/m"),
-             sync=ns(mode="adapter"))
+             sync=ns(mode="adapter"), train=ns(total_steps=12))
     summary = {"eval_history": [{"eval/step": 0, "eval/accuracy": 0.25}, {"eval/step": 10, "eval/accuracy": 0.4}]}
     rec = record("small-judge-1x", cfg, rows, summary, 10.0, "")
     assert (rec["judge_calls"], rec["judge_parse_failures"], rec["judge_timeouts"]) == (128, 5, 1)
