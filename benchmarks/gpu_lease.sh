@@ -10,7 +10,8 @@
 # the machine stays warm), stops CMD at GPU_LEASE_LIMIT_S (default 560; a call may take 600: set it ~40 s below the
 # call's own limit when the lease has less left, or the call is killed before the copy below and returns nothing),
 # writes its output to $OUT/run.log and copies what the call wrote in /tmp/gpout (the benchmarks' --out, kept across
-# the lease's calls; more than 7 files as $OUT/gpout.tgz) to $OUT: a benchmark that writes its document after each phase keeps the phases it finished.
+# the lease's calls; more than 7 files as $OUT/gpout.tgz) to $OUT: a benchmark that writes its document after each
+# phase keeps the phases it finished.
 set -uo pipefail
 mkdir -p /tmp/gpu /tmp/gpout
 for d in .gpu/*/p*; do
@@ -34,11 +35,11 @@ case "${1:-}" in
     rc=$?
     # Only what this call wrote (/tmp/gpout keeps the whole lease's): a call brings back at most 8 files, so more
     # than 7 come back as one $OUT/gpout.tgz.
-    new=$(find /tmp/gpout -maxdepth 1 -type f -newer /tmp/gpstamp -printf '%f\n')
-    if [ "$(printf '%s' "$new" | grep -c .)" -le 7 ]; then
-      printf '%s\n' "$new" | grep . | while read -r f; do cp "/tmp/gpout/$f" "$OUT/"; done
+    mapfile -t new < <(find /tmp/gpout -maxdepth 1 -type f -newer /tmp/gpstamp -printf '%f\n')
+    if (( ${#new[@]} <= 7 )); then
+      for f in "${new[@]}"; do cp "/tmp/gpout/$f" "$OUT/"; done
     else
-      printf '%s\n' "$new" | tar -czf "$OUT/gpout.tgz" -C /tmp/gpout -T -
+      tar -czf "$OUT/gpout.tgz" -C /tmp/gpout "${new[@]}"
     fi
     tail -c 2500 "$OUT/run.log"
     echo "rc=$rc"
