@@ -211,9 +211,12 @@ class RolloutPath:
             raise
 
     async def _final_output(self, prompt_ids, params, request_id, lora):
+        # An engine input, not a raw prompt dict: vLLM 0.32 re-renders raw prompts (and warns it will stop).
+        from vllm.inputs.engine import tokens_input
+
         final = None
         try:
-            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id,
+            async for out in self.engine.generate(tokens_input(list(prompt_ids)), params, request_id,
                                                   lora_request=lora):
                 final = out
         except asyncio.CancelledError:

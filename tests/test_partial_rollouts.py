@@ -22,7 +22,12 @@ from tests._serve_helpers import LOGPROB_TOL, make_lora_payload, peft_logprobs_o
 from tests.test_replica_units import Actors, FakeFleetState, FakeRegistry
 
 FLEET = "pt"
-LONG = {"max_tokens": 200, "temperature": 1.0, "top_p": 1.0, "logprobs": True, "ignore_eos": True}
+# Long enough that a request still runs after a load or an expire (the tiny model makes ~250 tokens/s here).
+N = 400
+LONG = {"max_tokens": N, "temperature": 1.0, "top_p": 1.0, "logprobs": True, "ignore_eos": True}
+# Every adapter the tests publish, built before the engine starts: building one (a PEFT model) blocks the event
+# loop for a fraction of a second while the engine goes on generating, long enough for a request to finish.
+VERSIONS = (("a", 1), ("a", 2), ("a", 3), ("b", 1))
 TOL = LOGPROB_TOL
 
 
@@ -35,7 +40,7 @@ class _Fleet:
         self.model_dir = model_dir
         self.loop = asyncio.new_event_loop()
         self.regs = {"a": FakeRegistry(), "b": FakeRegistry()}
-        self.payloads: dict = {}
+        self.payloads = {(r, v): make_lora_payload(model_dir, seed=100 * ord(r) + v) for r, v in VERSIONS}
         self.publish("a", 1)
         self.publish("b", 1)
         actors = Actors({(REGISTRY_NAME, run_namespace(r)): reg for r, reg in self.regs.items()}
@@ -54,9 +59,8 @@ class _Fleet:
         return self.loop.run_until_complete(coro)
 
     def publish(self, run: str, version: int):
-        tensors, meta = make_lora_payload(self.model_dir, seed=100 * ord(run) + version)
+        tensors, meta = self.payloads[(run, version)]
         self.regs[run].publish(version, tensors, meta)
-        self.payloads[(run, version)] = (tensors, meta)
 
     def req(self, run: str, version: int, **extra) -> dict:
         return {"prompt_token_ids": self.prompt, "version": version, "run": run, "sampling": dict(LONG),
@@ -117,12 +121,12 @@ class TestOneFleetReplica:
             return whole, await task
 
         whole, out = fleet.run(main())
-        assert "versions" not in whole and len(whole["token_ids"]) == 200
-        assert fleet.check_logprobs("a", {**whole, "versions": [[1, 200]]}) <= TOL
+        assert "versions" not in whole and len(whole["token_ids"]) == N
+        assert fleet.check_logprobs("a", {**whole, "versions": [[1, N]]}) <= TOL
         assert out["version"] == 1 and out["resumed"] == 1 and out["finish_reason"] == "length"
         (v1, n1), (v2, n2) = out["versions"]
-        assert (v1, v2) == (1, 2) and n1 > 0 and n2 > 0 and n1 + n2 == len(out["token_ids"]) == 200, out["versions"]
-        assert len(out["logprobs"]) == 200
+        assert (v1, v2) == (1, 2) and n1 > 0 and n2 > 0 and n1 + n2 == len(out["token_ids"]) == N, out["versions"]
+        assert len(out["logprobs"]) == N
         # Token-exact: the v2 tokens' logprobs are those of v2 given prompt + exactly the v1 tokens, and vice versa.
         assert fleet.check_logprobs("a", out) <= TOL
         # The other version would not score them so: the check above can fail.
@@ -155,12 +159,12 @@ class TestOneFleetReplica:
         assert [v for v, _ in a_out["versions"]] == [2, 3] and a_out["resumed"] == 1
         assert fleet.check_logprobs("a", a_out) <= TOL
         # run b has only policy-v1: a/policy-v3 going live moves nothing of b's
-        assert b_out["versions"] == [[1, 200]] and b_out["resumed"] == 0 and b_out["run"] == "b"
+        assert b_out["versions"] == [[1, N]] and b_out["resumed"] == 0 and b_out["run"] == "b"
 
 
     def test_a_partial_request_on_an_expired_version_starts_under_the_newest(self, fleet):
         out = fleet.run(fleet.replica.generate(fleet.req("a", 2, partial="at_limit")))
-        assert out["version"] == 2 and out["versions"] == [[3, 200]]
+        assert out["version"] == 2 and out["versions"] == [[3, N]]
         assert fleet.check_logprobs("a", out) <= TOL
 
     def test_unloading_its_version_moves_a_partial_request_and_does_not_wait_for_it(self, fleet):
@@ -170,7 +174,6 @@ class TestOneFleetReplica:
         async def main():
             r = fleet.replica
             req = fleet.req("a", 3, partial="at_limit")
-            req["sampling"] = dict(LONG, max_tokens=400)
             task = asyncio.ensure_future(r.generate(req))
             await _until_generating(r)
             assert await r.unload_adapter(3, "a")
@@ -180,7 +183,7 @@ class TestOneFleetReplica:
         running, out, left = fleet.run(main())
         assert running and left == 0  # unloaded while the request still ran, nothing left in the table
         # a/v2 expired, a/v3 being unloaded: on under a/v1, the newest the replica still serves to a
-        assert [v for v, _ in out["versions"]] == [3, 1] and out["resumed"] == 1 and len(out["token_ids"]) == 400
+        assert [v for v, _ in out["versions"]] == [3, 1] and out["resumed"] == 1 and len(out["token_ids"]) == N
         assert fleet.check_logprobs("a", out) <= TOL
         assert "a/policy-v3" not in fleet.run(fleet.replica.stats())["adapters"]
 
@@ -265,7 +268,7 @@ def test_train_run_with_partial_rollouts(tmp_path, tiny_model_dir):
     moved = [r for r in rows if r.get("partial_resumed", 0) > 0]
     assert all(r["versions_per_sample_mean"] > 1.0 and r["tokens_regenerated"] > 0 for r in moved)
     # the trainer/vLLM log ratio of steps with continued samples: as small as whole ones' (CPU fp32; the bound
-    # issue 42 sets, tighter than TOL: a step's tokens are short, TOL covers one 200-token request's worst token)
+    # issue 42 sets, tighter than TOL: a step's tokens are short, TOL covers a long request's worst token)
     assert max(r["log_ratio_abs_max"] for r in moved) <= 5e-5
 
 
