@@ -212,11 +212,12 @@ class RolloutPath:
 
     async def _final_output(self, prompt_ids, params, request_id, lora):
         # An engine input, not a raw prompt dict: vLLM 0.32 re-renders raw prompts (and warns it will stop).
+        # Imported here: the ingress imports this module (SAMPLING_EXTRA) and never loads vLLM.
         from vllm.inputs.engine import tokens_input
 
         final = None
         try:
-            async for out in self.engine.generate(tokens_input(list(prompt_ids)), params, request_id,
+            async for out in self.engine.generate(tokens_input(prompt_ids), params, request_id,
                                                   lora_request=lora):
                 final = out
         except asyncio.CancelledError:

@@ -99,12 +99,9 @@ def test_engine_api_the_replica_uses():
     assert LoRARequest("policy-v1", 1, "/tmp/x").lora_name == "policy-v1"
     assert SamplingParams(max_tokens=2, logprobs=0, ignore_eos=True).ignore_eos
     assert "record" in StatLoggerBase.__dict__
-
-
-def test_token_ids_go_in_as_an_engine_input():
-    """replica_rollout passes prompts as vLLM's own token input (a raw {"prompt_token_ids"} dict is re-rendered and
-    deprecated in 0.32): the helper must still build the typed input the InputProcessor takes as is."""
+    # replica_rollout's prompts: vLLM's typed token input, which the InputProcessor takes as is (a raw
+    # {"prompt_token_ids"} dict is re-rendered and deprecated in 0.32)
     from vllm.inputs.engine import tokens_input
 
-    inp = tokens_input([1, 2, 3])
-    assert inp == {"type": "token", "prompt_token_ids": [1, 2, 3]}
+    assert tokens_input([1, 2, 3]) == {"type": "token", "prompt_token_ids": [1, 2, 3]}
+
