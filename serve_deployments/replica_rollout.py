@@ -108,9 +108,9 @@ class RolloutPath:
                        request_id: str) -> dict:
         """A partial rollout request (module docstring): segments under ever newer versions of the run until
         the completion finishes. The answer is `generate`'s plus `versions` ([[version, n_tokens], ...] over
-        token_ids), `resumed` (continuations) and `regenerated_tokens` (prompt + kept tokens the continuations
-        prefilled again: their prompt lengths minus the tokens the engine found cached); `version` stays the
-        one it started under."""
+        token_ids), `resumed` (continuations of tokens already sampled) and `regenerated_tokens` (prompt + kept
+        tokens the continuations prefilled again: their prompt lengths minus the tokens the engine found
+        cached); `version` stays the one it started under."""
         policy = str(req["partial"])
         if policy not in PARTIAL_POLICIES:
             raise ReplicaError(f"partial: {policy!r} is not one of {', '.join(PARTIAL_POLICIES)}", 400)
@@ -121,7 +121,7 @@ class RolloutPath:
         tokens: list[int] = []
         logprobs: list[float] = []
         segments: list[list[int]] = []
-        resumed = regenerated = cached = 0
+        resumed = regenerated = cached = n_segments = 0
         text_parts: list[str] = []
         while True:
             seg_s = dict(s, max_tokens=max_tokens - len(tokens))
@@ -133,7 +133,7 @@ class RolloutPath:
             async with self.adapters.hold(current, run) as lora:
                 self.adapters.partial.add(seg)
                 try:
-                    final = await self._segment(ids, params, f"{request_id}-s{resumed}", lora, seg)
+                    final = await self._segment(ids, params, f"{request_id}-s{n_segments}", lora, seg)
                 finally:
                     self.adapters.partial.discard(seg)
             c = final.outputs[0] if final is not None and final.outputs else None
@@ -159,7 +159,10 @@ class RolloutPath:
             if seg.cancelled or not seg.move.is_set():  # the run left, or an abort that was not ours
                 raise VersionExpiredError(current, run=run)
             current = self._next(current, run)
-            resumed += 1
+            n_segments += 1
+            # Moved before its first token: a fresh start under the newer version, not a continuation (it would
+            # count a move that carried nothing across versions)
+            resumed += bool(tokens)
         text = "".join(text_parts) if detokenize else self._decode(tokens)
         return {"token_ids": tokens, "logprobs": logprobs, "text": text, "finish_reason": finish,
                 "version": version, "run": run, "prompt_token_ids": prompt_ids, "replica_id": self.replica_id,
