@@ -164,7 +164,7 @@ class TestOneFleetReplica:
 
     def test_a_partial_request_on_an_expired_version_starts_under_the_newest(self, fleet):
         out = fleet.run(fleet.replica.generate(fleet.req("a", 2, partial="at_limit")))
-        assert out["version"] == 2 and out["versions"] == [[3, N]]
+        assert out["version"] == 2 and out["versions"] == [[3, N]] and out["resumed"] == 0  # a start, no move
         assert fleet.check_logprobs("a", out) <= TOL
 
     def test_unloading_its_version_moves_a_partial_request_and_does_not_wait_for_it(self, fleet):

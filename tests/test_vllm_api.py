@@ -104,4 +104,3 @@ def test_engine_api_the_replica_uses():
     from vllm.inputs.engine import tokens_input
 
     assert tokens_input([1, 2, 3]) == {"type": "token", "prompt_token_ids": [1, 2, 3]}
-
