@@ -46,7 +46,7 @@ def plot_rewards(rows: list[dict], out: Path, title: str = "") -> Path | None:
     ax.plot(steps, mean, ".", alpha=0.5, label="reward mean (batch)")
     ax.plot(steps, smooth, "-", lw=2, label="5-step mean")
     for key in _eval_keys(rows):
-        ev = _series(rows, key)
+        ev = _eval_series(rows, key)
         ax.plot(*zip(*ev), "o-", ms=3, label=key)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("reward")
@@ -94,6 +94,12 @@ def _num(v) -> bool:
 
 def _series(rows: list[dict], key: str) -> list[tuple[float, float]]:
     return [(r["step"], float(r[key])) for r in rows if _num(r.get(key))]
+
+
+def _eval_series(rows: list[dict], key: str) -> list[tuple[float, float]]:
+    """An eval score at the step whose policy it scored (eval/step): an eval runs beside training and lands in
+    a later step's row, so the logging row's step would draw the curve late (on a GPU, by up to 30 steps)."""
+    return [(r.get("eval/step", r["step"]), float(r[key])) for r in rows if _num(r.get(key))]
 
 
 # eval/* bookkeeping (which version, how many prompts, how long) is not a score to plot beside rewards.
@@ -145,7 +151,7 @@ def _panels(rows: list[dict], workers: int | None) -> list[tuple[str, str, list[
     def s(key, style="-"):
         return (key, _series(rows, key), style)
 
-    reward = [s("reward_mean", ".-")] + [s(k, "o-") for k in _eval_keys(rows)]
+    reward = [s("reward_mean", ".-")] + [(k, _eval_series(rows, k), "o-") for k in _eval_keys(rows)]
     panels = [
         ("reward and eval", "reward / score", reward),
         ("KL and trainer/vLLM log ratio", "per token", [s("kl"), s("log_ratio_abs_mean")]),
@@ -257,7 +263,7 @@ def report_text(run_dir: Path, rows: list[dict], bad_lines: int, summary: dict |
             lines.append(f"reward: {_fmt(sum(rewards[:k]) / k)} (first quarter) -> {_fmt(sum(rewards[-k:]) / k)} "
                          f"(last quarter); last {_fmt(rewards[-1])}, best {_fmt(max(rewards))}")
         for key in _eval_keys(rows):
-            ev = _series(rows, key)
+            ev = _eval_series(rows, key)
             lines.append(f"{key}: {_fmt(ev[0][1])} (step {ev[0][0]}) -> {_fmt(ev[-1][1])} (step {ev[-1][0]})")
         kl, lr = _series(rows, "kl"), _series(rows, "log_ratio_abs_mean")
         if kl or lr:

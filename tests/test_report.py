@@ -84,3 +84,13 @@ def test_report_without_steps_and_missing_dir(tmp_path):
     assert p.returncode == 0 and "steps: 0" in p.stdout and "no steps logged" in p.stdout
     p = _cli(tmp_path / "nope")
     assert p.returncode == 2 and "no such run directory" in p.stderr
+
+
+def test_an_eval_is_drawn_at_the_step_whose_policy_it_scored():
+    # An eval runs beside training: the score of step 10's policy lands in step 30's row.
+    rows = [{"step": s, "reward_mean": 0.5} for s in range(1, 41)]
+    rows[29].update({"eval/accuracy": 0.25, "eval/step": 10, "eval/version": 10})
+    rows[39].update({"eval/accuracy": 0.5})  # a row without eval/step (older metrics files) keeps its own step
+    reward_panel = R._panels(rows, workers=None)[0]
+    curves = {label: pts for label, pts, _ in reward_panel[2]}
+    assert curves["eval/accuracy"] == [(10, 0.25), (40, 0.5)]
