@@ -12,6 +12,11 @@
 # writes its output to $OUT/run.log and copies what the call wrote in /tmp/gpout (the benchmarks' --out, kept across
 # the lease's calls; more than 7 files as $OUT/gpout.tgz) to $OUT: a benchmark that writes its document after each
 # phase keeps the phases it finished.
+# The compile cache: a fresh machine's vLLM spends ~2 of its ~4 starting minutes compiling and capturing graphs for a
+# model it has not seen, and keeps the artefacts (torch.compile's, Inductor's, Triton's) under VLLM_CACHE_ROOT.
+# GPU_LEASE_SAVE_CACHE=1 brings that folder back instead of /tmp/gpout, as $OUT/vllm-cache.tgz.NN (pieces of 15 MiB,
+# at most 7; a call brings back 8 files of 16 MiB); a later lease carries them as .gpu/cache/p0 and `run` restores them
+# before its command (the cache keys hold the vLLM and torch versions, the config and the model: a miss only compiles).
 set -uo pipefail
 mkdir -p /tmp/gpu /tmp/gpout
 for d in .gpu/*/p*; do
@@ -30,13 +35,25 @@ case "${1:-}" in
       export PIP_FIND_LINKS=/tmp/wheelhouse PIP_NO_INDEX=1
     fi
     export PYTHONPATH="$PWD:${PYTHONPATH:-}" VLLM_CACHE_ROOT=/tmp/vllm-cache TOKENIZERS_PARALLELISM=false
+    if compgen -G "/tmp/gpu/cache/vllm-cache.tgz.*" >/dev/null && [ ! -e /tmp/vllm-cache/.restored ]; then
+      cat /tmp/gpu/cache/vllm-cache.tgz.* | tar -xzf - -C /tmp && touch /tmp/vllm-cache/.restored \
+        && echo "gpu lease: compile cache restored ($(du -sh /tmp/vllm-cache | cut -f1))"
+    fi
     touch /tmp/gpstamp
     timeout "${GPU_LEASE_LIMIT_S:-560}" "$@" > "$OUT/run.log" 2>&1
     rc=$?
     # Only what this call wrote (/tmp/gpout keeps the whole lease's): a call brings back at most 8 files, so more
     # than 7 come back as one $OUT/gpout.tgz.
     mapfile -t new < <(find /tmp/gpout -maxdepth 1 -type f -newer /tmp/gpstamp -printf '%f\n')
-    if (( ${#new[@]} <= 7 )); then
+    if [ "${GPU_LEASE_SAVE_CACHE:-0}" = 1 ]; then
+      tar -czf /tmp/vllm-cache.tgz --exclude=.restored -C /tmp vllm-cache && split -b 15M -d -a 2 /tmp/vllm-cache.tgz /tmp/vllm-cache.tgz.
+      if (( $(find /tmp -maxdepth 1 -name 'vllm-cache.tgz.*' | wc -l) <= 7 )); then
+        cp /tmp/vllm-cache.tgz.* "$OUT/" && echo "gpu lease: compile cache in $OUT ($(du -h /tmp/vllm-cache.tgz | cut -f1))"
+      else
+        echo "gpu lease: compile cache too large to bring back ($(du -h /tmp/vllm-cache.tgz | cut -f1))"
+      fi
+      rm -f /tmp/vllm-cache.tgz /tmp/vllm-cache.tgz.*
+    elif (( ${#new[@]} <= 7 )); then
       for f in "${new[@]}"; do cp "/tmp/gpout/$f" "$OUT/"; done
     else
       tar -czf "$OUT/gpout.tgz" -C /tmp/gpout "${new[@]}"
