@@ -21,7 +21,15 @@ from common.config import Config, from_dict
 from common.registry import pick_version
 
 CORRECT = 1.0  # a reward at least this counts as a correct answer
-EVAL_CONCURRENCY = 8  # eval prompts in flight at once: interleaved with the rollouts, never flooding them
+MIN_EVAL_CONCURRENCY = 8
+
+
+def eval_concurrency(cfg: Config) -> int:
+    """eval.concurrency, or by default a quarter of the replicas' vLLM slots: an eval in a few waves of requests
+    (each waits about one rollout turn in the engines' queues), its requests never more than a quarter of a batch."""
+    if cfg.eval.concurrency is not None:
+        return cfg.eval.concurrency
+    return max(MIN_EVAL_CONCURRENCY, cfg.rollout.replicas * cfg.rollout.max_num_seqs // 4)
 # The version under evaluation is held live in the registry (a lease) until the eval ends, at most this long:
 # an eval of 128 prompts took 67 s on one H200 while versions turned over every 4 s.
 EVAL_HOLD_S = 900.0
@@ -173,7 +181,7 @@ class Evaluator:
         if pinned is None:  # nothing live (the base model, before step 1): pinned too, or each request would
             pinned = await self._ingress().pin_version.remote()  # take whatever version is newest when it runs
         k = self.cfg.eval.pass_k
-        sem = asyncio.Semaphore(EVAL_CONCURRENCY)
+        sem = asyncio.Semaphore(eval_concurrency(self.cfg))
         try:
             res = await asyncio.gather(*(self._one(sem, ids, row, pinned, k)
                                          for ids, row in zip(self.prompts, self.rows)))

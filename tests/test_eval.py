@@ -65,6 +65,18 @@ def test_eval_config_rules():
         C.load(None, ["eval.pass_k=0"])
     with pytest.raises(C.ConfigError, match="run.log_every"):
         C.load(None, ["run.log_every=0"])
+    with pytest.raises(C.ConfigError, match="eval.concurrency"):
+        C.load(None, ["eval.concurrency=0"])
+
+
+def test_eval_concurrency_follows_the_replicas_slots():
+    from app.evaluate import eval_concurrency
+
+    # One GPU replica of 256 slots: 64 in flight, so 128 prompts are two waves behind the rollouts, not sixteen.
+    assert eval_concurrency(C.load(None, ["rollout.replicas=1", "rollout.max_num_seqs=256"])) == 64
+    assert eval_concurrency(C.load(None, ["rollout.replicas=2", "rollout.max_num_seqs=512"])) == 256
+    assert eval_concurrency(C.load(None, ["rollout.replicas=1", "rollout.max_num_seqs=16"])) == 8  # at least 8
+    assert eval_concurrency(C.load(None, ["eval.concurrency=3"])) == 3
 
 
 @pytest.mark.slow
@@ -91,3 +103,16 @@ def test_app_eval_on_tiny_model(tiny_model_dir):
     assert metrics["eval/version"] == 0  # the base model: nothing published
     assert "eval: " in proc.stdout and "accuracy" in proc.stdout
     assert len(out.splitlines()) <= 15, out  # quiet: no Ray/Serve/vLLM lines
+
+
+def test_eval_concurrency_bench_summary():
+    from benchmarks.bench_eval_concurrency import summarize
+
+    rows = [{"step": s, "step_seconds": 1.0, "reward_mean": s / 10} for s in range(1, 11)]
+    rows[0].update({"eval/seconds": 9.0, "eval/step": 0, "eval/accuracy": 0.1})
+    rows[6].update({"eval/seconds": 2.0, "eval/step": 5, "eval/accuracy": 0.2})
+    rows[9].update({"eval/seconds": 1.0, "eval/step": 10, "eval/accuracy": 0.3})  # the final one: idle engines
+    s = summarize(rows)
+    assert s["evals"] == 3 and s["eval_seconds_before_step_1"] == 9.0
+    assert s["eval_seconds_during_training_p50"] == 2.0 and s["eval_lag_steps_p50"] == 2
+    assert s["final_eval_accuracy"] == 0.3 and s["step_seconds_mean"] == 1.0

@@ -115,6 +115,11 @@ class EvalConfig(Section):
     samples: int = option(64, "Eval prompts (the first N of eval.path).", ge=1)
     pass_k: int = option(1, "1 = pass@1, greedy (eval/accuracy); k > 1 also samples k completions per prompt at "
                             "grpo.temperature and reports eval/pass@k (any of the k correct).", ge=1)
+    concurrency: int | None = option(
+        None, "Eval prompts in flight at once. The engines' queues are full of rollouts while a run trains, so each "
+              "wave of eval requests waits about one rollout turn: too few in flight and an eval outlasts many steps "
+              "(8 took 55 s for 128 prompts on one GPU). null = a quarter of the replicas' vLLM slots "
+              "(rollout.replicas x rollout.max_num_seqs / 4), at least 8.", ge=1)
 
     def problems(self) -> list[str]:
         return broken((self.path is None or bool(self.path.strip()), "eval.path: must be null or a path, got ''"),
