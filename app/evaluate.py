@@ -30,6 +30,8 @@ def eval_concurrency(cfg: Config) -> int:
     if cfg.eval.concurrency is not None:
         return cfg.eval.concurrency
     return max(MIN_EVAL_CONCURRENCY, cfg.rollout.replicas * cfg.rollout.max_num_seqs // 4)
+
+
 # The version under evaluation is held live in the registry (a lease) until the eval ends, at most this long:
 # an eval of 128 prompts took 67 s on one H200 while versions turned over every 4 s.
 EVAL_HOLD_S = 900.0
