@@ -92,14 +92,15 @@ def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _series(rows: list[dict], key: str) -> list[tuple[float, float]]:
-    return [(r["step"], float(r[key])) for r in rows if _num(r.get(key))]
+def _series(rows: list[dict], key: str, at: str = "step") -> list[tuple[float, float]]:
+    """(x, value) of `key` over the rows that have it, x the row's `at` (its step when it has none)."""
+    return [(r.get(at, r["step"]), float(r[key])) for r in rows if _num(r.get(key))]
 
 
 def _eval_series(rows: list[dict], key: str) -> list[tuple[float, float]]:
     """An eval score at the step whose policy it scored (eval/step): an eval runs beside training and lands in
     a later step's row, so the logging row's step would draw the curve late (on a GPU, by up to 30 steps)."""
-    return [(r.get("eval/step", r["step"]), float(r[key])) for r in rows if _num(r.get(key))]
+    return _series(rows, key, at="eval/step")
 
 
 # eval/* bookkeeping (which version, how many prompts, how long) is not a score to plot beside rewards.

@@ -24,11 +24,6 @@ if os.environ.get("GPU_PIPELINE_SMOKE") == "1":  # --smoke, inherited by the pha
 PEAK_BF16_FLOPS = 989e12
 
 
-def _p50(xs):
-    xs = sorted(x for x in xs if x is not None)
-    return xs[len(xs) // 2] if xs else None
-
-
 # Rollout phase: rounds of one pass of 16 x 8 completions per side, the first a warm-up (one GPU's passes
 # drifted by +-12% when each side ran its passes in a block). Each engine gets ROLLOUT_MEM of the GPU:
 # the workload's KV cache needs about 5 GB of it.

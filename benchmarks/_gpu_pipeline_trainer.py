@@ -8,8 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._gpu_pipeline_common import PEAK_BF16_FLOPS, REPO, SCRIPT, WORKLOAD, _env, _p50
+from benchmarks._gpu_pipeline_common import PEAK_BF16_FLOPS, REPO, SCRIPT, WORKLOAD, _env
 from common.ports import free_port
+from common.stats import p50
 
 
 def model_flops_per_step(model: Path, seqs: int, seq_len: int, completion_len: int) -> float:
@@ -68,8 +69,8 @@ def _run_trainer(args, work: Path, model: Path, sets: list[str], profile: bool) 
         return res, dump
     rows = [json.loads(x) for x in (dump / "steps.jsonl").read_text().splitlines()]
     steady = [r for r in rows[1:] if r["step"] != config["train"]["profile_step"]] or rows
-    res.update({"trainer_tokens_per_s": _p50([r["train_tokens_per_s"] for r in steady]),
-                "trainer_learn_s_p50": _p50([r["learn_seconds"] for r in steady]),
+    res.update({"trainer_tokens_per_s": p50([r["train_tokens_per_s"] for r in steady]),
+                "trainer_learn_s_p50": p50([r["learn_seconds"] for r in steady]),
                 "trainer_micro_batches": rows[-1].get("micro_batches"),
                 "trainer_peak_mem_gib": max(r.get("peak_mem_gib", 0.0) for r in rows)})
     if (dump / "trainer_info.json").exists():
@@ -150,7 +151,7 @@ def peft_loop(model: str, steps: int, micro: int, checkpointing: bool = True) ->
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     steady = times[1:] or times
-    t = _p50(steady)
+    t = p50(steady)
     return {"peft_tokens_per_s": seqs * (p + c) / t, "peft_step_s_p50": t, "peft_micro_batch": micro,
             "peft_gradient_checkpointing": checkpointing,
             "peft_peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None}

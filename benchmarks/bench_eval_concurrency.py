@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -20,13 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from common.stats import p50
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/tiny-cpu.yaml"
-
-
-def _p50(xs: list[float]) -> float | None:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if xs else None
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -39,10 +37,10 @@ def summarize(rows: list[dict]) -> dict:
     k = max(1, len(rewards) // 4)
     return {
         "evals": len(evals),
-        "eval_seconds_during_training_p50": _p50([r["eval/seconds"] for r in during]),
+        "eval_seconds_during_training_p50": p50([r["eval/seconds"] for r in during]),
         "eval_seconds_during_training_max": max((r["eval/seconds"] for r in during), default=None),
         "eval_seconds_before_step_1": next((r["eval/seconds"] for r in evals if r.get("eval/step") == 0), None),
-        "eval_lag_steps_p50": _p50([r["step"] - r["eval/step"] for r in during]),
+        "eval_lag_steps_p50": p50([r["step"] - r["eval/step"] for r in during]),
         "step_seconds_mean": sum(steps) / len(steps) if steps else None,
         "reward_first_quarter": sum(rewards[:k]) / k if rewards else None,
         "reward_last_quarter": sum(rewards[-k:]) / k if rewards else None,
@@ -114,7 +112,7 @@ def main(argv=None) -> int:
             print(f"[{i}/{len(settings)}] {RECIPE} with eval.concurrency {s} ...", flush=True)
             runs.append(_run(s, Path(tmp), args.set, i))
     doc = {"benchmark": "eval_concurrency", "recipe": RECIPE, "eval_samples": samples, "runs": runs,
-           "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
+           "machine": f"{platform.machine()}, {os.cpu_count()} cores",
            "command": "python -m app bench eval_concurrency " + " ".join(argv if argv is not None else sys.argv[1:])}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,8 @@ import json
 import sys
 from pathlib import Path
 
+from common.stats import p50
+
 REPO = Path(__file__).resolve().parents[1]
 
 QWEN = ["model.path=runs/qwen2.5-1.5b-model", "model.tiny_shape=qwen2.5-1.5b", "model.max_model_len=2048",
@@ -51,11 +53,6 @@ RUNS = {
 }
 
 
-def _p50(xs: list[float]) -> float | None:
-    xs = sorted(x for x in xs if x is not None)
-    return xs[len(xs) // 2] if xs else None
-
-
 def _mean(xs: list[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -84,29 +81,29 @@ def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command
         "reward_last_quarter": summary.get("reward_last_quarter"),
         "reward_z": proportion_z(rows[:k], rows[-k:], n) if len(rows) >= 4 else None,
         "step1_log_ratio_abs_mean": rows[0].get("log_ratio_abs_mean") if rows else None,
-        "log_ratio_abs_mean_p50": _p50([r.get("log_ratio_abs_mean") for r in rows]),
+        "log_ratio_abs_mean_p50": p50([r.get("log_ratio_abs_mean") for r in rows]),
         # Over samples of the trainer's current version only: the engines' mismatch without policy drift.
-        "log_ratio_fresh_p50": _p50([r.get("log_ratio_fresh") for r in rows]),
-        "step_seconds_p50": _p50([r.get("step_seconds") for r in steady]),
+        "log_ratio_fresh_p50": p50([r.get("log_ratio_fresh") for r in rows]),
+        "step_seconds_p50": p50([r.get("step_seconds") for r in steady]),
         # What N steps take, / N. Async steps come in bursts (with max_staleness 2, two fast steps on batches
         # already there, then one that waits for the engines), so the p50 can sit far below it.
         "step_seconds_mean": _mean([r.get("step_seconds") for r in steady]),
-        "learn_seconds_p50": _p50([r.get("learn_seconds") for r in steady]),
-        "train_tokens_per_s_p50": _p50([r.get("train_tokens_per_s") for r in steady]),
-        "gen_tokens_per_s_p50": _p50([r.get("gen_tokens_per_s") for r in steady]),
+        "learn_seconds_p50": p50([r.get("learn_seconds") for r in steady]),
+        "train_tokens_per_s_p50": p50([r.get("train_tokens_per_s") for r in steady]),
+        "gen_tokens_per_s_p50": p50([r.get("gen_tokens_per_s") for r in steady]),
         # A row counts the tokens of the groups finished since the row before; fixed-length groups finish
         # together, so most async rows count none and the p50 is 0. The rate over the steady steps is the mean.
         "gen_tokens_per_s_mean": _rate(steady),
-        "seq_tokens_per_step": _p50([r.get("seq_tokens") for r in rows]),
-        "micro_batches": _p50([r.get("micro_batches") for r in rows]),
+        "seq_tokens_per_step": p50([r.get("seq_tokens") for r in rows]),
+        "micro_batches": p50([r.get("micro_batches") for r in rows]),
         "peak_mem_gib": max((r.get("peak_mem_gib", 0.0) for r in rows), default=None),
-        "publish_seconds_p50": _p50([r.get("publish_seconds") for r in rows]),
+        "publish_seconds_p50": p50([r.get("publish_seconds") for r in rows]),
         # Hand-over to every replica serving the version (with sync.overlap_publish it runs beside the
         # next step, and `publish_seconds` is only the trainer's own part).
-        "publish_to_served_p50": _p50([r.get("publish_to_served_seconds") for r in steady]),
-        "publish_blocked_p50": _p50([r.get("publish_blocked_seconds") for r in steady]),
+        "publish_to_served_p50": p50([r.get("publish_to_served_seconds") for r in steady]),
+        "publish_blocked_p50": p50([r.get("publish_blocked_seconds") for r in steady]),
         # The hand-over's parts (train_loops/adapter_sync.handover_breakdown), p50 over the steady steps.
-        **{f"{k}_p50": _p50([r.get(k) for r in steady]) for k in (
+        **{f"{k}_p50": p50([r.get(k) for r in steady]) for k in (
             "handover_registry_seconds", "handover_broadcast_seconds", "handover_replica_seconds",
             "handover_fetch_seconds", "handover_add_lora_seconds", "handover_verify_seconds",
             "handover_evict_seconds", "handover_write_seconds")},
@@ -129,7 +126,7 @@ def _judge(rows: list[dict]) -> dict:
         return {}
     return {**{k: max(r.get(k, 0) for r in rows) for k in ("judge_calls", "judge_parse_failures", "judge_timeouts",
                                                             "judge_errors")},
-            "judge_seconds_p50": _p50([r.get("judge_seconds") for r in rows]),
+            "judge_seconds_p50": p50([r.get("judge_seconds") for r in rows]),
             "reward_judge_first": rows[0].get("reward_judge"), "reward_judge_last": rows[-1].get("reward_judge")}
 
 
@@ -145,11 +142,11 @@ def _multiturn(rows: list[dict], summary: dict) -> dict:
     if not rows or "episode_turns_mean" not in rows[0]:
         return {}
     hits = sorted(k for r in rows for k in r if k.startswith("prefix_hit_turn"))
-    return {"episode_turns_mean_p50": _p50([r["episode_turns_mean"] for r in rows]),
+    return {"episode_turns_mean_p50": p50([r["episode_turns_mean"] for r in rows]),
             "episode_truncated": sum(r.get("episode_truncated", 0) for r in rows),
-            "env_tokens_fraction_p50": _p50([r.get("env_tokens_fraction") for r in rows]),
+            "env_tokens_fraction_p50": p50([r.get("env_tokens_fraction") for r in rows]),
             "env_errors": rows[-1].get("env_errors", 0),
-            **{f"{k}_p50": _p50([r.get(k) for r in rows]) for k in dict.fromkeys(hits)}}
+            **{f"{k}_p50": p50([r.get(k) for r in rows]) for k in dict.fromkeys(hits)}}
 
 
 def main(argv=None) -> int:

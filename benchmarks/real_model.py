@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from common.stats import p50
+
 REPO = Path(__file__).resolve().parents[1]
 
 RECIPE = "recipes/real-gemma3-270m.yaml"
@@ -54,11 +56,6 @@ def _has_gpu() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _p50(xs) -> float | None:
-    xs = sorted(x for x in xs if x is not None)
-    return xs[len(xs) // 2] if xs else None
 
 
 def _gemma_gguf(dest: Path) -> tuple[Path, Path]:
@@ -124,13 +121,13 @@ def record(cfg, rows: list[dict], summary: dict, wall: float, command: str, mode
         "eval_samples": summary.get("eval/samples"), "eval_greedy": True,
         "train_minutes": (rows[-1]["time"] - t_start) / 60 if rows else None,
         "wall_minutes_with_startup": wall / 60, "steps": len(rows), "ended_by": summary.get("ended_by"),
-        "step_seconds_p50": _p50([r.get("step_seconds") for r in rows[2:] or rows]),
+        "step_seconds_p50": p50([r.get("step_seconds") for r in rows[2:] or rows]),
         "reward_first_quarter": summary.get("reward_first_quarter"),
         "reward_last_quarter": summary.get("reward_last_quarter"),
         "reward_z": proportion_z(rows[:k], rows[-k:], cfg.grpo.prompts_per_step * cfg.grpo.group_size)
         if len(rows) >= 4 else None,
         "step1_log_ratio_abs_mean": rows[0].get("log_ratio_abs_mean") if rows else None,
-        "gen_tokens_per_s_p50": _p50([r.get("gen_tokens_per_s") for r in rows]),
+        "gen_tokens_per_s_p50": p50([r.get("gen_tokens_per_s") for r in rows]),
         "eval_history": history, "command": command,
         "config": {"lr": cfg.grpo.lr, "lora_rank": cfg.lora.rank, "group_size": cfg.grpo.group_size,
                    "prompts_per_step": cfg.grpo.prompts_per_step, "max_new_tokens": cfg.grpo.max_new_tokens,

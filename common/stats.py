@@ -4,6 +4,12 @@ from __future__ import annotations
 import math
 
 
+def p50(xs) -> float | None:
+    """The median-by-index of the values that are not None (the upper one of an even count); None when none."""
+    xs = sorted(x for x in xs if x is not None)
+    return xs[len(xs) // 2] if xs else None
+
+
 def proportion_z(first: list[dict], last: list[dict], samples_per_row: int) -> float:
     """Two-proportion z statistic of the per-sample success rate, `last` rows vs `first` rows (each row a
     step whose `reward_mean` averages `samples_per_row` 0/1 rewards): how far the reward rose beyond noise."""
