@@ -77,6 +77,11 @@ def engine_kwargs(cfg: Config) -> dict:
         # this mode: FlashInfer cannot return them.)
         "logprobs_mode": "processed_logprobs",
     }
+    if r.gpus_per_replica <= 0:
+        # The KV cache's size on CPU as an engine argument, not only VLLM_CPU_KVCACHE_SPACE in the replica's
+        # environment: without it vLLM sizes the cache at gpu_memory_utilization of the machine's RAM and refuses
+        # to start when less is free (an engine built in a process without that environment: tests, benchmarks).
+        kwargs["kv_cache_memory_bytes"] = r.kv_cache_gib * 2**30
     if cfg.model.fp32_head:
         # The LM head in float32 (vllm/config/model.py `head_dtype`), as the trainer computes it with the same
         # option (train_loops/head_logprobs.py): bf16 rounding of the logits is most of their logprob gap.

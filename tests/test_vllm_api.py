@@ -104,3 +104,22 @@ def test_engine_api_the_replica_uses():
     from vllm.inputs.engine import tokens_input
 
     assert tokens_input([1, 2, 3]) == {"type": "token", "prompt_token_ids": [1, 2, 3]}
+
+
+def test_cpu_engines_size_their_kv_cache_without_the_replica_environment():
+    """An engine built in a process without the replica's VLLM_CPU_KVCACHE_SPACE (a test, a benchmark) gets the
+    size as an engine argument; without it vLLM wants gpu_memory_utilization (0.85) of the machine's RAM free and
+    refused to start with 18.9 of 23.5 GiB available. The argument is one AsyncEngineArgs takes."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from common.config import from_dict
+    from serve_deployments.engine_config import engine_kwargs
+
+    cpu = engine_kwargs(from_dict({"model": {"path": "runs/x", "build_tiny": False}, "rollout": {"kv_cache_gib": 2}}))
+    assert cpu["kv_cache_memory_bytes"] == 2 * 2**30
+    assert "kv_cache_memory_bytes" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    gpu = engine_kwargs(from_dict({"model": {"path": "runs/x", "build_tiny": False},
+                                   "rollout": {"gpus_per_replica": 1}, "train": {"use_gpu": True}}))
+    assert "kv_cache_memory_bytes" not in gpu  # the GPU's cache: gpu_memory_utilization of its memory
