@@ -13,7 +13,8 @@ would sample the previous version and be born one version staler, which on GPU r
 completions sent half the batches past `max_staleness` (dropped) while the trainer waited.
 
 The trainer's rank 0 calls `get_batch(trainer_version, n_groups)`: groups older than
-`trainer_version - max_staleness` are dropped and counted; the oldest acceptable groups go first. A group's
+`trainer_version - max_staleness` are dropped and counted; the oldest acceptable groups go first (by version,
+not by the order they finished in: earliest deadline first). A group's
 version for this rule is `Group.version`: with rollout.partial the oldest version its samples were last
 continued under, not the one they started with (docs/ARCHITECTURE.md, "Partial rollouts").
 
@@ -199,7 +200,13 @@ class RolloutBuffer:
                 timeout)
             if len(self._q) < n_groups:
                 return None
-            groups = [self._q.popleft() for _ in range(n_groups)]
+            # Earliest deadline first: a group must be trained before the trainer passes its version +
+            # max_staleness, so the oldest versions go first, not the first finished. With long-tailed lengths
+            # the two differ: short groups of later batches finish ahead of a long group of an earlier one, and
+            # taken in finishing order they can push it past the floor (BENCHMARKS.md section 19).
+            pick = set(sorted(range(len(self._q)), key=lambda i: self._q[i].version)[:n_groups])
+            groups = [group for i, group in enumerate(self._q) if i in pick]
+            self._q = deque(group for i, group in enumerate(self._q) if i not in pick)
             self.taken_groups += n_groups
             filtered, self._filtered = self._filtered, []
             for group in groups:

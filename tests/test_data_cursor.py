@@ -202,6 +202,25 @@ def test_buffer_requeues_stale_groups_and_rewinds():
     asyncio.run(go())
 
 
+def test_buffer_trains_the_oldest_version_first_not_the_first_finished():
+    """Earliest deadline first: a long group of an early batch that finishes behind short groups of later batches
+    is trained before them, so it is not pushed past the staleness floor while they wait (they have slack)."""
+    async def go():
+        b = _buffer(max_staleness=1, per_step=2)  # lead 1: 4 slots while version 0 is ready
+        grants = [await b.acquire(worker_id=0, timeout=1) for _ in range(4)]
+        # finishing order: two short groups sampled under v1, then the long v0 group, then another v1
+        for g, v in zip(grants, (1, 1, 0, 1)):
+            assert await b.put(_group(g["epoch"], g["row"]["id"], version=v), worker_id=0)
+        first = await b.get_batch(1, 2, timeout=1)  # floor 0: taken in finishing order the v0 group would wait
+        assert sorted(g.version for g in first["groups"]) == [0, 1]
+        assert first["groups"][0].prompt_id == grants[0]["row"]["id"]  # ties: the first finished goes first
+        second = await b.get_batch(2, 2, timeout=1)  # floor 1: both v1 groups left are still acceptable
+        assert [g.version for g in second["groups"]] == [1, 1]
+        assert second["dropped_samples"] == 0 and (await b.stats())["dropped_groups"] == 0
+
+    asyncio.run(go())
+
+
 def test_rewind_gives_back_the_lost_steps_slots():
     """A restored trainer needs batches again that its lost steps took: their slots come back with the prompts,
     or pacing (slots counted past ready_version + lead) grants nothing and the run deadlocks."""
