@@ -8,10 +8,13 @@ instead (`rollout.partial`). Real Ray, Serve, vLLM and DeepSpeed, local cluster.
 
     python -m app bench length_tail                   # 30 steps each, lengths 24:1.0:256, max_staleness 1
     python -m app bench length_tail --quick           # 3 steps each, one replica (smoke)
+    python -m app bench length_tail --from-gpu DIR --tag h100_2026-12-06   # record a GPU lease's runs
 
 Prints a table and writes benchmarks/results/length_tail_cpu.json and .png. On one GPU the reference shape
 runs the same comparison: `gpu_pipeline.py --phases pipeline --modes sync,async,async-partial
---length-tail 400:1.0:3000` (docs/GPU.md).
+--length-tail 400:1.0:3000` (docs/GPU.md); `--from-gpu DIR` turns what its runs brought back into DIR
+(gpu_pipeline_length_tail.json, gpu_pipeline_tail-MODE.metrics.jsonl) into the same table, record and plot,
+length_tail_gpu_TAG.json and .png.
 """
 from __future__ import annotations
 
@@ -40,7 +43,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="3 steps each on one replica and one train worker")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config overrides")
+    p.add_argument("--from-gpu", metavar="DIR", help="record gpu_pipeline's length-tailed runs brought back into DIR")
+    p.add_argument("--tag", default="gpu", help="with --from-gpu: the record's name, length_tail_gpu_TAG")
     args = p.parse_args(argv)
+    if args.from_gpu:
+        return _from_gpu(Path(args.from_gpu), Path(args.out), args.tag, argv)
     tail = parse_spec(args.length_tail)
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -80,21 +87,9 @@ def main(argv=None) -> int:
     finally:
         ray.shutdown()
 
-    print(f"\nlength-tailed completions {args.length_tail} (MEDIAN:SIGMA:MAX), {steps} steps each, "
-          f"max_staleness {args.max_staleness}, {platform.processor() or platform.machine()}")
-    print(f"{'mode':<14} {'step s':>7} {'p50 s':>6} {'dropped':>8} {'expired':>8} {'resumed':>8} {'regen tok':>9} "
-          f"{'train idle':>10} {'reward first->last':>19}")
-    for m, r in results.items():
-        print(f"{m:<14} {r['step_seconds_mean']:>7.2f} {r['step_seconds_p50']:>6.2f} {r['dropped_samples']:>8} "
-              f"{r['expired_groups']:>8} "
-              f"{r['partial_resumed']:>8} {r['tokens_regenerated']:>9} {r['trainer_idle_fraction'] or 0:>10.2f} "
-              f"{r['reward_first_quarter']:>8.3f} -> {r['reward_last_quarter']:.3f}")
-    mean = {m: r["step_seconds_mean"] for m, r in results.items()}
-    ratios = {f"partial_vs_{m}": mean[m] / mean["async-partial"] for m in ("async", "sync")
-              if m in mean and "async-partial" in mean}
-    for k, v in ratios.items():
-        print(f"{k} (steps per hour): {v:.2f}x")
-
+    _print_table(results, f"length-tailed completions {args.length_tail} (MEDIAN:SIGMA:MAX), {steps} steps each, "
+                          f"max_staleness {args.max_staleness}, {platform.processor() or platform.machine()}")
+    ratios = _ratios(results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "length_tail_quick" if args.quick else "length_tail_cpu"
@@ -105,6 +100,64 @@ def main(argv=None) -> int:
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **ratios, "results": results}
     (out / f"{name}.json").write_text(json.dumps(doc, indent=2))
     _plot(doc, lengths, out / f"{name}.png")
+    print(f"wrote {out / (name + '.json')} and .png")
+    return 0
+
+
+def _print_table(results: dict, title: str) -> None:
+    print(f"\n{title}")
+    print(f"{'mode':<14} {'step s':>7} {'p50 s':>6} {'dropped':>8} {'expired':>8} {'resumed':>8} {'regen tok':>9} "
+          f"{'train idle':>10} {'reward first->last':>19}")
+    for m, r in results.items():
+        print(f"{m:<14} {r['step_seconds_mean']:>7.2f} {r['step_seconds_p50']:>6.2f} {r['dropped_samples']:>8} "
+              f"{r['expired_groups']:>8} "
+              f"{r['partial_resumed']:>8} {r['tokens_regenerated']:>9} {_num(r['trainer_idle_fraction']):>10} "
+              f"{_num(r['reward_first_quarter'], 3):>8} -> {_num(r['reward_last_quarter'], 3)}")
+
+
+def _num(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"  # a run stopped at its deadline has no summary
+
+
+def _ratios(results: dict) -> dict:
+    """Steps per hour of async + partial over each other mode (the same work per step)."""
+    mean = {m: r["step_seconds_mean"] for m, r in results.items()}
+    ratios = {f"partial_vs_{m}": mean[m] / mean["async-partial"] for m in ("async", "sync")
+              if m in mean and "async-partial" in mean}
+    for k, v in ratios.items():
+        print(f"{k} (steps per hour): {v:.2f}x")
+    return ratios
+
+
+def _from_gpu(src: Path, out: Path, tag: str, argv) -> int:
+    """gpu_pipeline's length-tailed runs (one lease's files) as this benchmark's record: the same table, ratios
+    and plot, with the GPU document's own numbers (its step mean skips two warm-up steps) kept beside."""
+    from benchmarks.length_tail import describe, draw_lengths, parse_spec
+
+    doc = json.loads((src / "gpu_pipeline_length_tail.json").read_text())
+    tail = parse_spec(doc["length_tail"])
+    results, gpu_runs = {}, {}
+    for key, run in doc["runs"]["1gpu"].items():
+        rows_file = src / f"gpu_pipeline_tail-{key}.metrics.jsonl"
+        if not rows_file.exists():
+            raise SystemExit(f"--from-gpu: {rows_file} is missing (the run {key!r} is in the document)")
+        metrics = [json.loads(x) for x in rows_file.read_text().splitlines() if x.strip()]
+        mode = key.removesuffix("-mps")
+        results[mode] = _record(metrics, run, run.get("wall_seconds", 0.0))
+        gpu_runs[mode] = {k: run.get(k) for k in ("step_seconds_mean", "step_seconds_p50", "dropped_samples",
+                                                  "expired_groups", "partial_resumed", "tokens_regenerated",
+                                                  "gpu_sm_util_mean", "stopped_at_deadline", "wall_seconds")}
+    lengths = draw_lengths(512, tail["median"], tail["sigma"], tail["hi"], tail["lo"], seed=0)  # gpu_pipeline's
+    _print_table(results, f"length-tailed completions {doc['length_tail']}, {doc['device']}")
+    record = {"command": "python -m app bench length_tail" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
+              "gpu_commands": doc.get("command"), "device": doc["device"], "versions": doc.get("versions"),
+              "workload": doc.get("workload"), "measured_at": doc.get("measured_at"), "length_tail": tail,
+              "lengths": describe(lengths, tail["hi"]), "max_staleness": (doc.get("workload") or {}).get("max_staleness"),
+              **_ratios(results), "results": results, "gpu_pipeline_runs": gpu_runs}
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"length_tail_gpu_{tag}"
+    (out / f"{name}.json").write_text(json.dumps(record, indent=2))
+    _plot(record, lengths, out / f"{name}.png")
     print(f"wrote {out / (name + '.json')} and .png")
     return 0
 
