@@ -224,3 +224,21 @@ def test_a_judge_model_gets_its_own_app_config(tiny_model_dir):
     assert judge.rollout.replica_http_port is None and judge.rollout.front_port is None
     on_fleet = cfg.replace(run={"fleet": "shared", "name": "r1"}, rollout={"app_name": "fleet-shared"})
     assert judge_app_name(on_fleet) == "fleet-shared-judge-r1"
+
+
+def test_the_judge_probe_knows_the_truth_of_its_items():
+    """benchmarks/probes/judge_replies scores a model's verdicts against these labels: half the completions are
+    right, and a wrong one never states the sum (else agreement would be misread)."""
+    import re
+
+    from app.judge import render
+    from benchmarks.probes.judge_replies import TEMPLATES, items
+
+    cases = items(40)
+    assert sum(good for _, _, good in cases) == 20
+    for row, completion, good in cases:
+        a, b = map(int, re.findall(r"(\d) \+ (\d)", row["prompt"])[0])
+        said = int(re.search(r"boxed\{(-?\d+)\}", completion).group(1))
+        assert (said == a + b) == good and row["answer"] == str(a + b)
+        for template in TEMPLATES.values():  # every template fills as a run fills it
+            assert completion in render(template, row, completion)
