@@ -40,8 +40,15 @@ case "${1:-}" in
         && echo "gpu lease: compile cache restored ($(du -sh /tmp/vllm-cache | cut -f1))"
     fi
     touch /tmp/gpstamp
+    # vLLM's INFO lines go to the replicas' log files (Ray's session logs), never the console: they say where an engine's start goes
+    # (weights, torch.compile, graph capture), which the lines below bring back.
+    export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-INFO}"
     timeout "${GPU_LEASE_LIMIT_S:-560}" "$@" > "$OUT/run.log" 2>&1
     rc=$?
+    find runs /tmp/gp /tmp/ray -path '*/logs/*' -type f -newer /tmp/gpstamp 2>/dev/null \
+      | xargs -r grep -h -E "Model loading took|torch.compile took|takes [0-9.]+ s in total|Graph capturing finished|init engine .* took|Directly load the compiled graph|Compiling a graph for" 2>/dev/null \
+      | tail -n 60 > /tmp/gpout/engine_start.txt
+    [ -s /tmp/gpout/engine_start.txt ] || rm -f /tmp/gpout/engine_start.txt
     # Only what this call wrote (/tmp/gpout keeps the whole lease's): a call brings back at most 8 files, so more
     # than 7 come back as one $OUT/gpout.tgz.
     mapfile -t new < <(find /tmp/gpout -maxdepth 1 -type f -newer /tmp/gpstamp -printf '%f\n')
