@@ -106,10 +106,11 @@ def main(argv=None) -> int:
 
 def _print_table(results: dict, title: str) -> None:
     print(f"\n{title}")
-    print(f"{'mode':<14} {'step s':>7} {'p50 s':>6} {'dropped':>8} {'expired':>8} {'resumed':>8} {'regen tok':>9} "
-          f"{'train idle':>10} {'reward first->last':>19}")
+    print(f"{'mode':<14} {'step s':>7} {'p50 s':>6} {'tok/step':>9} {'dropped':>8} {'expired':>8} {'resumed':>8} "
+          f"{'regen tok':>9} {'train idle':>10} {'reward first->last':>19}")
     for m, r in results.items():
-        print(f"{m:<14} {r['step_seconds_mean']:>7.2f} {r['step_seconds_p50']:>6.2f} {r['dropped_samples']:>8} "
+        print(f"{m:<14} {r['step_seconds_mean']:>7.2f} {r['step_seconds_p50']:>6.2f} "
+              f"{r['completion_tokens_per_step']:>9.0f} {r['dropped_samples']:>8} "
               f"{r['expired_groups']:>8} "
               f"{r['partial_resumed']:>8} {r['tokens_regenerated']:>9} {_num(r['trainer_idle_fraction']):>10} "
               f"{_num(r['reward_first_quarter'], 3):>8} -> {_num(r['reward_last_quarter'], 3)}")
@@ -124,8 +125,12 @@ def _ratios(results: dict) -> dict:
     mean = {m: r["step_seconds_mean"] for m, r in results.items()}
     ratios = {f"partial_vs_{m}": mean[m] / mean["async-partial"] for m in ("async", "sync")
               if m in mean and "async-partial" in mean}
+    tok_s = {m: r.get("completion_tokens_per_s") for m, r in results.items()}
+    ratios.update({f"partial_vs_{m}_tokens": tok_s["async-partial"] / tok_s[m] for m in ("async", "sync")
+                   if tok_s.get(m) and tok_s.get("async-partial")})
     for k, v in ratios.items():
-        print(f"{k} (steps per hour): {v:.2f}x")
+        print(f"{k} ({'completion tokens trained per second' if k.endswith('_tokens') else 'steps per hour'}): "
+              f"{v:.2f}x")
     return ratios
 
 
@@ -165,8 +170,12 @@ def _from_gpu(src: Path, out: Path, tag: str, argv) -> int:
 def _record(metrics: list[dict], s: dict, total_s: float) -> dict:
     steady = metrics[1:] or metrics  # step 1 waits for the engines' and the trainer's warm-up in every mode
     secs = sorted(r["step_seconds"] for r in steady)
+    # A mode that aborts or drops long completions trains on fewer tokens per step: the same step time is then
+    # less work, so the completion tokens trained per step and per second are beside the step time.
+    tokens = sum(r.get("tokens", 0) for r in steady)
     return {"steps": len(metrics), "total_seconds": total_s,
             "step_seconds_mean": sum(secs) / len(secs), "step_seconds_p50": secs[len(secs) // 2],
+            "completion_tokens_per_step": tokens / len(steady), "completion_tokens_per_s": tokens / sum(secs),
             "dropped_samples": max(r.get("dropped_samples", 0) for r in metrics),  # a run total on each row
             # groups whose version left the window mid-generation: aborted, their prompts handed out again
             "expired_groups": max(r.get("rollout_expired_groups", 0) for r in metrics),

@@ -58,3 +58,33 @@ def test_gpu_pipeline_rewrites_its_prompts_with_the_tail(tmp_path):
     assert sets == ["data.max_tokens_column=max_new_tokens", "grpo.max_new_tokens=3000",
                     f"model.max_model_len={WORKLOAD['prompt_tokens'] + 3000 + 16}"]
     assert parse_args(["--modes", "sync,async,async-partial", "--length-tail", "400:1:3000"]).length_tail
+
+
+def test_a_gpu_leases_runs_are_recorded_as_the_benchmarks_table(tmp_path):
+    """`app bench length_tail --from-gpu DIR`: what gpu_pipeline brought back (its document and each run's rows)
+    becomes this benchmark's record; the step time and the completion tokens per second are over steps 2..N."""
+    import json
+
+    from benchmarks.bench_length_tail import main
+
+    src = tmp_path / "lease"
+    src.mkdir()
+    runs = {}
+    for key, tokens in (("async-mps", 1000), ("async-partial-mps", 1500)):
+        rows = [{"step": i, "step_seconds": 10.0 if i == 1 else 5.0, "tokens": tokens, "dropped_samples": 8 * i,
+                 "reward_mean": 0.5, "staleness_max": 2} for i in range(1, 6)]
+        (src / f"gpu_pipeline_tail-{key}.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs[key] = {"step_seconds_mean": 5.0, "reward_first_quarter": None, "reward_last_quarter": None,
+                     "trainer_idle_fraction": None, "generation_idle_fraction": None, "wall_seconds": 60.0}
+    doc = {"device": "1 x TEST GPU", "length_tail": "400:1.0:3000", "command": "gpu_pipeline ...",
+           "workload": {"max_staleness": 2}, "runs": {"1gpu": runs}}
+    (src / "gpu_pipeline_length_tail.json").write_text(json.dumps(doc))
+    assert main(["--from-gpu", str(src), "--out", str(tmp_path / "out"), "--tag", "t"]) == 0
+    rec = json.loads((tmp_path / "out" / "length_tail_gpu_t.json").read_text())
+    assert set(rec["results"]) == {"async", "async-partial"} and rec["device"] == "1 x TEST GPU"
+    assert rec["results"]["async"]["step_seconds_mean"] == 5.0 and rec["results"]["async"]["dropped_samples"] == 40
+    assert rec["partial_vs_async"] == 1.0 and abs(rec["partial_vs_async_tokens"] - 1.5) < 1e-9
+    assert (tmp_path / "out" / "length_tail_gpu_t.png").stat().st_size > 0
+    (src / "gpu_pipeline_tail-async-mps.metrics.jsonl").unlink()
+    with pytest.raises(SystemExit, match="async-mps"):  # a run named in the document without its rows
+        main(["--from-gpu", str(src), "--out", str(tmp_path / "out")])
