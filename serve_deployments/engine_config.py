@@ -77,6 +77,16 @@ def engine_kwargs(cfg: Config) -> dict:
         # this mode: FlashInfer cannot return them.)
         "logprobs_mode": "processed_logprobs",
     }
+    if r.gpus_per_replica > 0 and not r.enforce_eager:
+        # Start-up: vLLM captures a graph per batch size (~50) and, with LoRA, each twice (with and without an
+        # active adapter); only what differs from vLLM's own choice is passed, so the default path is vLLM's.
+        compilation = {}
+        if r.cudagraph_capture_sizes is not None:
+            compilation["cudagraph_capture_sizes"] = sorted(set(r.cudagraph_capture_sizes))
+        if not r.cudagraph_specialize_lora:
+            compilation["cudagraph_specialize_lora"] = False
+        if compilation:
+            kwargs["compilation_config"] = compilation
     if r.gpus_per_replica <= 0:
         # The KV cache's size on CPU as an engine argument, not only VLLM_CPU_KVCACHE_SPACE in the replica's
         # environment: without it vLLM sizes the cache at gpu_memory_utilization of the machine's RAM and refuses

@@ -115,6 +115,8 @@ def test_each_rule_names_its_key(sets, key):
     (["rollout.kv_cache_gib=0.5"], "rollout.kv_cache_gib: expected int, got 0.5"),
     (["train.zero_stage=4"], "train.zero_stage: 4 is not one of 0, 1, 2, 3"),
     (["run.loggers=[neptune]"], "run.loggers[0]: 'neptune' is not one of jsonl, tensorboard, mlflow, wandb"),
+    (["rollout.cudagraph_capture_sizes=[0,8]"],
+     "rollout.cudagraph_capture_sizes: batch sizes >= 1, at least one (null: vLLM's own), got [0, 8]"),
 ])
 def test_pydantic_errors_become_one_line_messages(sets, message):
     """Pydantic's constraint and type errors read like the hand-written rules: key, accepted range, value."""

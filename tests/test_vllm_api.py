@@ -123,3 +123,27 @@ def test_cpu_engines_size_their_kv_cache_without_the_replica_environment():
     gpu = engine_kwargs(from_dict({"model": {"path": "runs/x", "build_tiny": False},
                                    "rollout": {"gpus_per_replica": 1}, "train": {"use_gpu": True}}))
     assert "kv_cache_memory_bytes" not in gpu  # the GPU's cache: gpu_memory_utilization of its memory
+
+
+def test_graph_capture_settings_reach_vllm_only_where_graphs_are_captured():
+    """rollout.cudagraph_capture_sizes / cudagraph_specialize_lora become vLLM's compilation_config on a GPU engine
+    with CUDA graphs, and nothing else does: the defaults leave vLLM's own choice untouched, and an eager or CPU
+    engine gets none. The keys are CompilationConfig's own (a renamed field would fail here, not on a GPU)."""
+    from vllm.config import CompilationConfig
+
+    from common.config import from_dict
+    from serve_deployments.engine_config import engine_kwargs
+
+    def kwargs(**rollout):
+        return engine_kwargs(from_dict({"model": {"path": "runs/x", "build_tiny": False}, "train": {"use_gpu": True},
+                                        "rollout": {"gpus_per_replica": 1, "enforce_eager": False, **rollout}}))
+
+    assert "compilation_config" not in kwargs()
+    cc = kwargs(cudagraph_capture_sizes=[64, 1, 512, 64], cudagraph_specialize_lora=False)["compilation_config"]
+    assert cc == {"cudagraph_capture_sizes": [1, 64, 512], "cudagraph_specialize_lora": False}
+    built = CompilationConfig(**cc)
+    assert built.cudagraph_capture_sizes == [1, 64, 512] and built.cudagraph_specialize_lora is False
+    assert "compilation_config" not in kwargs(enforce_eager=True, cudagraph_specialize_lora=False)
+    cpu = engine_kwargs(from_dict({"model": {"path": "runs/x", "build_tiny": False},
+                                   "rollout": {"enforce_eager": False, "cudagraph_capture_sizes": [1, 2]}}))
+    assert "compilation_config" not in cpu

@@ -7,7 +7,11 @@ Reports tok/s and ms per decode step for each sampling setting given (the engine
 `--mode` is an engine arg).
 Usage: python -m benchmarks.probes.decode_host MODEL_DIR OUT_JSON [--n 384] [--new 1024] [--in-flight 128,384]
          [--logprobs none,0] [--mode processed_logprobs|raw_logprobs] [--lora] [--no-async] [--quantization fp8]
+         [--capture-sizes 1,8,...|coarse] [--no-specialize-lora]
 `--lora`: a rank-1 adapter of zeros, loaded and used by every request (the rollout's shape).
+`--capture-sizes` / `--no-specialize-lora`: the start-up knobs rollout.cudagraph_capture_sizes and
+rollout.cudagraph_specialize_lora (`coarse`: COARSE_SIZES); `engine_start_s` in the output is the engine's
+construction (weights, compile, graph capture) either way.
 py-spy's raw output folds with `benchmarks/probes/fold_pyspy.py`."""
 import argparse
 import json
@@ -17,6 +21,10 @@ import time
 from benchmarks._common import stack_versions
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+# 17 batch sizes up to 512 where vLLM captures ~50: decode batches are memory-bound, so a batch padded up to the next
+# size costs little, and each size not captured is a graph (twice with LoRA) not built at start-up.
+COARSE_SIZES = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512]
 
 
 def zero_adapter(model: str, path: str) -> str:
@@ -56,6 +64,9 @@ def main() -> None:
     p.add_argument("--in-flight", default="", help="comma list of concurrencies: a timed pass feeds at most this "
                                                    "many prompts per generate call (default: all N at once)")
     p.add_argument("--quantization", default=None, help="vLLM's quantization, e.g. fp8 (weights quantized at load)")
+    p.add_argument("--capture-sizes", default="", help="comma list of CUDA graph batch sizes, or coarse")
+    p.add_argument("--no-specialize-lora", action="store_true", help="one graph per size, not one with and one "
+                                                                     "without an active adapter")
     a = p.parse_args()
     import torch
     from vllm import LLM, SamplingParams
@@ -64,9 +75,20 @@ def main() -> None:
     if a.no_async:
         kw["async_scheduling"] = False
     in_flight = [int(x) for x in a.in_flight.split(",")] if a.in_flight else [a.n]
+    compilation = {}
+    if a.capture_sizes:
+        compilation["cudagraph_capture_sizes"] = (COARSE_SIZES if a.capture_sizes == "coarse"
+                                                  else sorted({int(x) for x in a.capture_sizes.split(",")}))
+    if a.no_specialize_lora:
+        compilation["cudagraph_specialize_lora"] = False
+    if compilation:
+        kw["compilation_config"] = compilation
+    t_start = time.perf_counter()
     llm = LLM(model=a.model, dtype="bfloat16", max_model_len=2048, max_num_seqs=max(in_flight),
               enable_prefix_caching=False, logprobs_mode=a.mode, enable_lora=a.lora,
               max_lora_rank=8 if a.lora else 16, quantization=a.quantization, **kw)
+    engine_start_s = time.perf_counter() - t_start
+    print(json.dumps({"engine_start_s": round(engine_start_s, 1), "compilation_config": compilation}), flush=True)
     lora = LoRARequest("zero", 1, zero_adapter(a.model, "/tmp/decode_host_lora")) if a.lora else None
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prompts = [{"prompt_token_ids": [(i * 7 + j) % (vocab - 20) + 10 for j in range(256)]} for i in range(a.n)]
@@ -92,7 +114,8 @@ def main() -> None:
                          "tok_s": round(toks / dt), "ms_per_step": round(1000 * dt * s / (a.new * a.n), 2)})
             print(json.dumps(runs[-1]), flush=True)
     doc = {"model": a.model, "n": a.n, "new_tokens": a.new, "logprobs_mode": a.mode, "lora": a.lora,
-           "quantization": a.quantization,
+           "quantization": a.quantization, "compilation_config": compilation,
+           "engine_start_s": round(engine_start_s, 2),
            "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
            "core_in_process": os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0",
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

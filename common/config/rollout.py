@@ -17,6 +17,15 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = option(0.85, "vLLM gpu_memory_utilization on GPU.", gt=0, le=1)
     max_num_seqs: int = option(64, "vLLM max_num_seqs.", ge=1)
     enforce_eager: bool = option(True, "Skip CUDA graphs / torch.compile (fast start); set False on GPU for speed.")
+    cudagraph_capture_sizes: list[int] | None = option(
+        None, "GPU with enforce_eager false: the batch sizes vLLM captures CUDA graphs for at start-up (a batch runs "
+              "padded to the next one; past the largest, without a graph). null = vLLM's own, ~50 sizes up to 512: "
+              "fewer start faster.")
+    cudagraph_specialize_lora: bool = option(
+        True, "GPU with enforce_eager false: vLLM captures each graph twice, with and without an active adapter "
+              "(its compilation_config.cudagraph_specialize_lora). A rollout samples under an adapter from version "
+              "1 on; false halves the capture, and requests of the base model (version 0, a judge, REST) run the "
+              "adapter kernels with none active.")
     workers: int = option(2, "Rollout worker actors that turn prompts into scored groups.", ge=1)
     max_restarts: int = option(
         3, "Restarts of one rollout worker in a row (Ray restarts a killed one; it gives its slots back) with no step "
@@ -83,7 +92,10 @@ class RolloutConfig(Section):
     def problems(self) -> list[str]:
         # Only a port asked for by number is held to these; the default (0) falls back to http_port with a line.
         asked = self.front_port not in (None, 0)
+        sizes = self.cudagraph_capture_sizes
         return broken(
+            (sizes is None or (len(sizes) > 0 and all(n >= 1 for n in sizes)),
+             f"rollout.cudagraph_capture_sizes: batch sizes >= 1, at least one (null: vLLM's own), got {sizes}"),
             (not asked or self.replica_http_port is not None,
              "rollout.front_port: the front forwards to the replicas' own ports; set rollout.replica_http_port "
              "(0: any free port)"),
