@@ -14,9 +14,9 @@ completions sent half the batches past `max_staleness` (dropped) while the train
 
 The trainer's rank 0 calls `get_batch(trainer_version, n_groups)`: groups older than
 `trainer_version - max_staleness` are dropped and counted; the oldest acceptable groups go first (by version,
-not by the order they finished in: earliest deadline first). A group's
-version for this rule is `Group.version`: with rollout.partial the oldest version its samples were last
-continued under, not the one they started with (docs/ARCHITECTURE.md, "Partial rollouts").
+not in the order they finished: earliest deadline first). A group's version for this rule is `Group.version`:
+with rollout.partial the oldest version its samples were last continued under, not the one they started with
+(docs/ARCHITECTURE.md, "Partial rollouts").
 
 Slots per worker: every caller passes its `worker_id` to `acquire` / `release` / `put`, and the buffer
 tracks its granted-but-not-put slots; `reset_worker(worker_id)` (what a restarted worker calls first)

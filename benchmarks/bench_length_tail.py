@@ -121,7 +121,8 @@ def _num(x, digits: int = 2) -> str:
 
 
 def _ratios(results: dict) -> dict:
-    """Steps per hour of async + partial over each other mode (the same work per step)."""
+    """Async + partial over each other mode: steps per hour, and completion tokens trained per second (a mode that
+    aborts long completions does less work per step)."""
     mean = {m: r["step_seconds_mean"] for m, r in results.items()}
     ratios = {f"partial_vs_{m}": mean[m] / mean["async-partial"] for m in ("async", "sync")
               if m in mean and "async-partial" in mean}
@@ -157,7 +158,8 @@ def _from_gpu(src: Path, out: Path, tag: str, argv) -> int:
     record = {"command": "python -m app bench length_tail" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
               "gpu_commands": doc.get("command"), "device": doc["device"], "versions": doc.get("versions"),
               "workload": doc.get("workload"), "measured_at": doc.get("measured_at"), "length_tail": tail,
-              "lengths": describe(lengths, tail["hi"]), "max_staleness": (doc.get("workload") or {}).get("max_staleness"),
+              "lengths": describe(lengths, tail["hi"]),
+              "max_staleness": (doc.get("workload") or {}).get("max_staleness"),
               **_ratios(results), "results": results, "gpu_pipeline_runs": gpu_runs}
     out.mkdir(parents=True, exist_ok=True)
     name = f"length_tail_gpu_{tag}"

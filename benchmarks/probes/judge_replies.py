@@ -29,7 +29,8 @@ def items(n: int, seed: int = 0) -> list[tuple[dict, str, bool]]:
         a, b = rng.randint(0, 9), rng.randint(0, 9)
         good = i % 2 == 0
         said = a + b if good else a + b + rng.choice([-2, -1, 1, 3])
-        row = {"prompt": f"State the final answer to the following arithmetic problem: {a} + {b} =", "answer": str(a + b)}
+        row = {"prompt": f"State the final answer to the following arithmetic problem: {a} + {b} =",
+               "answer": str(a + b)}
         out.append((row, f"{a} + {b} = {said}. The answer is \\boxed{{{said}}}.", good))
     return out
 
