@@ -156,6 +156,9 @@ class MergedTransport:
         self.version = 0
         self.sha256: str | None = None
         self.lora_wrappers = 0  # LoRA-wrapped layers the last swap loaded around (merged_weights_extension.py)
+        # The update in progress and its step ("policy-v18: fetch"), None between updates: in the replica's stats,
+        # so an update that never ends says where it stopped.
+        self.pending: str | None = None
 
     def holds(self, version: int, meta: dict) -> bool:
         """True when the engine already runs these weights (a tagged version carries the same digest)."""

@@ -235,7 +235,8 @@ class Replica:
         """`versions`, `inflight_by_version`, `rejected`, `expired`: the run ""'s, by version (as before runs);
         `adapters`, `inflight_by_adapter`, `rejected_adapters`: every run's, by adapter name; `quotas`: the
         runs' slots (the run "" listed only when set: otherwise it has them all); `partial`: partial rollout segments
-        running, continuations among them, moves so far (partial_rollouts.py)."""
+        running, continuations among them, moves so far (partial_rollouts.py); `merge_pending`: the merged-weights
+        update in progress and its step (replica_merge.py), None between updates."""
         a = self.adapters
         slots = a.slots
         return {"replica_id": self.replica_id, "ongoing": slots.ongoing(), "versions": slots.versions(),
@@ -245,7 +246,8 @@ class Replica:
                 "quotas": slots.quotas(), "fleet": self._fleet,
                 "prefix_cache_hits": self._prefix.hits,
                 "prefix_cache_queries": self._prefix.queries, "block_size": self.block_size,
-                "base_version": a.base_version, "engine_start_s": self.engine_start_s,
+                "base_version": a.base_version, "merge_pending": a.merged.pending,
+                "engine_start_s": self.engine_start_s,
                 "add_lora_ms": list(a.transport.add_lora_ms[-16:]),
                 "rejected": {k.version: m for k, m in a.rejected.items() if not k.run},
                 "rejected_adapters": {k.name: m for k, m in a.rejected.items()},

@@ -24,24 +24,38 @@ async def update_weights(adapters: ReplicaAdapters, version: int) -> dict:
     if version < merged.version:
         raise ReplicaError(f"{policy_name(version)} is older than the merged {policy_name(merged.version)}", 409)
     t0 = time.perf_counter()
-    meta = (await adapters.registries.call("", "get", version))["meta"]
-    if merged.holds(version, meta):
-        # A tagged version (the trainer's weights did not move): the engine already holds them.
-        merged.tag(version)
-        return {"version": version, "already": True, "replica_id": replica_id}
-    tensors, meta, _ = await adapters.fetch(version)
-    path = merged.stage(version, tensors, meta)
-    del tensors
-    async with adapters.load_lock:
-        adapters.open.clear()
-        try:
-            while adapters.slots.ongoing():
-                await asyncio.sleep(0.01)
-            await merged.swap(version, path, meta.get("sha256"))
-            # reload_weights also dropped the runner's LoRA state.
-            await adapters.transport.evict_all()
-        finally:
-            adapters.open.set()
-            path.unlink(missing_ok=True)
+
+    def step(what: str) -> None:
+        merged.pending = f"{policy_name(version)}: {what}"
+
+    try:
+        step("registry")
+        meta = (await adapters.registries.call("", "get", version))["meta"]
+        if merged.holds(version, meta):
+            # A tagged version (the trainer's weights did not move): the engine already holds them.
+            merged.tag(version)
+            return {"version": version, "already": True, "replica_id": replica_id}
+        step("fetch")
+        tensors, meta, _ = await adapters.fetch(version)
+        step("stage")
+        path = merged.stage(version, tensors, meta)
+        del tensors
+        step("load lock")
+        async with adapters.load_lock:
+            adapters.open.clear()
+            try:
+                step("drain")
+                while adapters.slots.ongoing():
+                    await asyncio.sleep(0.01)
+                step("swap")
+                await merged.swap(version, path, meta.get("sha256"))
+                # reload_weights also dropped the runner's LoRA state.
+                step("evict adapters")
+                await adapters.transport.evict_all()
+            finally:
+                adapters.open.set()
+                path.unlink(missing_ok=True)
+    finally:
+        merged.pending = None
     return {"version": version, "already": False, "replica_id": replica_id,
             "seconds": time.perf_counter() - t0, "lora_wrappers": merged.lora_wrappers}

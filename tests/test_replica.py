@@ -280,8 +280,11 @@ def test_merge_mode_update_weights(serve_env, replica, versions):
 
     publish(serve_env.registry, v_merged, full, full_meta)
     try:
-        r = replica.update_weights.remote(v_merged).result()
-        assert not r["already"]
+        try:  # bounded: a wait without a timeout is one pytest-timeout cannot interrupt (it hung a CI run once)
+            r = replica.update_weights.remote(v_merged).result(timeout_s=300)
+        except TimeoutError:
+            pytest.fail(f"update_weights never answered: {replica.stats.remote().result(timeout_s=30)}")
+        assert not r["already"] and replica.stats.remote().result()["merge_pending"] is None
         # The engine runs with LoRA on, so vLLM wrapped its linear layers (`...base_layer.weight`, the
         # names vLLM 0.25.1 refused merged weights under): the load went around the wrappers.
         assert r["lora_wrappers"] > 0
