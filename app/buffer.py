@@ -204,9 +204,8 @@ class RolloutBuffer:
             # max_staleness, so the oldest versions go first, not the first finished. With long-tailed lengths
             # the two differ: short groups of later batches finish ahead of a long group of an earlier one, and
             # taken in finishing order they can push it past the floor (BENCHMARKS.md section 19).
-            pick = set(sorted(range(len(self._q)), key=lambda i: self._q[i].version)[:n_groups])
-            groups = [group for i, group in enumerate(self._q) if i in pick]
-            self._q = deque(group for i, group in enumerate(self._q) if i not in pick)
+            queued = sorted(self._q, key=lambda group: group.version)  # stable: a tie keeps finishing order
+            groups, self._q = queued[:n_groups], deque(queued[n_groups:])
             self.taken_groups += n_groups
             filtered, self._filtered = self._filtered, []
             for group in groups:

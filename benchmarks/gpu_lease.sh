@@ -40,8 +40,8 @@ case "${1:-}" in
         && echo "gpu lease: compile cache restored ($(du -sh /tmp/vllm-cache | cut -f1))"
     fi
     touch /tmp/gpstamp
-    # vLLM's INFO lines go to the replicas' log files (Ray's session logs), never the console: they say where an engine's start goes
-    # (weights, torch.compile, graph capture), which the lines below bring back.
+    # vLLM's INFO lines go to the replicas' log files (Ray's session logs), never the console: they say where an
+    # engine's start goes (weights, torch.compile, graph capture), which the lines below bring back.
     export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-INFO}"
     timeout "${GPU_LEASE_LIMIT_S:-560}" "$@" > "$OUT/run.log" 2>&1
     rc=$?

@@ -77,16 +77,9 @@ def engine_kwargs(cfg: Config) -> dict:
         # this mode: FlashInfer cannot return them.)
         "logprobs_mode": "processed_logprobs",
     }
-    if r.gpus_per_replica > 0 and not r.enforce_eager:
-        # Start-up: vLLM captures a graph per batch size (~50) and, with LoRA, each twice (with and without an
-        # active adapter); only what differs from vLLM's own choice is passed, so the default path is vLLM's.
-        compilation = {}
-        if r.cudagraph_capture_sizes is not None:
-            compilation["cudagraph_capture_sizes"] = sorted(set(r.cudagraph_capture_sizes))
-        if not r.cudagraph_specialize_lora:
-            compilation["cudagraph_specialize_lora"] = False
-        if compilation:
-            kwargs["compilation_config"] = compilation
+    compilation = graph_capture_config(r.cudagraph_capture_sizes, r.cudagraph_specialize_lora)
+    if r.gpus_per_replica > 0 and not r.enforce_eager and compilation:
+        kwargs["compilation_config"] = compilation
     if r.gpus_per_replica <= 0:
         # The KV cache's size on CPU as an engine argument, not only VLLM_CPU_KVCACHE_SPACE in the replica's
         # environment: without it vLLM sizes the cache at gpu_memory_utilization of the machine's RAM and refuses
@@ -98,6 +91,18 @@ def engine_kwargs(cfg: Config) -> dict:
         check_fp32_head()
         kwargs["hf_overrides"] = {**kwargs.get("hf_overrides", {}), "head_dtype": "float32"}
     return kwargs
+
+
+def graph_capture_config(sizes: list[int] | None, specialize_lora: bool) -> dict:
+    """vLLM `compilation_config` keys for the start-up's graph capture (rollout.cudagraph_capture_sizes,
+    rollout.cudagraph_specialize_lora): vLLM captures a graph per batch size (~50) and, with LoRA, each twice (with
+    and without an active adapter). Only what differs from vLLM's own choice, so the defaults give {}."""
+    out: dict = {}
+    if sizes is not None:
+        out["cudagraph_capture_sizes"] = sorted(set(sizes))
+    if not specialize_lora:
+        out["cudagraph_specialize_lora"] = False
+    return out
 
 
 def check_fp32_head() -> None:

@@ -212,8 +212,8 @@ def test_buffer_trains_the_oldest_version_first_not_the_first_finished():
         for g, v in zip(grants, (1, 1, 0, 1)):
             assert await b.put(_group(g["epoch"], g["row"]["id"], version=v), worker_id=0)
         first = await b.get_batch(1, 2, timeout=1)  # floor 0: taken in finishing order the v0 group would wait
-        assert sorted(g.version for g in first["groups"]) == [0, 1]
-        assert first["groups"][0].prompt_id == grants[0]["row"]["id"]  # ties: the first finished goes first
+        assert [g.version for g in first["groups"]] == [0, 1]
+        assert first["groups"][1].prompt_id == grants[0]["row"]["id"]  # ties: the first finished goes first
         second = await b.get_batch(2, 2, timeout=1)  # floor 1: both v1 groups left are still acceptable
         assert [g.version for g in second["groups"]] == [1, 1]
         assert second["dropped_samples"] == 0 and (await b.stats())["dropped_groups"] == 0

@@ -19,6 +19,7 @@ import os
 import time
 
 from benchmarks._common import stack_versions
+from serve_deployments.engine_config import graph_capture_config
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -75,12 +76,9 @@ def main() -> None:
     if a.no_async:
         kw["async_scheduling"] = False
     in_flight = [int(x) for x in a.in_flight.split(",")] if a.in_flight else [a.n]
-    compilation = {}
-    if a.capture_sizes:
-        compilation["cudagraph_capture_sizes"] = (COARSE_SIZES if a.capture_sizes == "coarse"
-                                                  else sorted({int(x) for x in a.capture_sizes.split(",")}))
-    if a.no_specialize_lora:
-        compilation["cudagraph_specialize_lora"] = False
+    sizes = None if not a.capture_sizes else (
+        COARSE_SIZES if a.capture_sizes == "coarse" else [int(x) for x in a.capture_sizes.split(",")])
+    compilation = graph_capture_config(sizes, specialize_lora=not a.no_specialize_lora)  # as a replica passes them
     if compilation:
         kw["compilation_config"] = compilation
     t_start = time.perf_counter()
