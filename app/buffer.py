@@ -15,7 +15,7 @@ completions sent half the batches past `max_staleness` (dropped) while the train
 The trainer's rank 0 calls `get_batch(trainer_version, n_groups)`: groups older than
 `trainer_version - max_staleness` are dropped and counted; the oldest acceptable groups go first (by version,
 not in the order they finished: earliest deadline first). A group's version for this rule is `Group.version`:
-with rollout.partial the oldest version its samples were last continued under, not the one they started with
+with rollout.partial the version the group finished under (its newest token's), not the one it started with
 (docs/ARCHITECTURE.md, "Partial rollouts").
 
 Slots per worker: every caller passes its `worker_id` to `acquire` / `release` / `put`, and the buffer
@@ -67,7 +67,7 @@ class RolloutBuffer:
         self.trainer_version = trainer_version
         self.ready_version = trainer_version  # the newest trainer version being served
         self.granted = 0  # slots handed to workers (released slots are given back)
-        self.dropped_groups = self.dropped_samples = 0
+        self.dropped_groups = self.dropped_samples = self.dropped_continued_groups = 0
         self.put_groups = self.taken_groups = 0
         self._closed = False
         # worker id -> its slots granted and neither released nor put: (epoch, prompt id)
@@ -182,6 +182,8 @@ class RolloutBuffer:
             self._q = deque(group for group in self._q if group.version >= floor)
             self.dropped_groups += len(stale)
             self.dropped_samples += sum(len(group.samples) for group in stale)
+            # with rollout.partial: groups dropped after one of their samples had moved to a newer version
+            self.dropped_continued_groups += sum(any(s.resumed for s in group.samples) for group in stale)
             self.granted -= len(stale)
             for group in stale:  # dropped, never trained on: the prompts come again
                 self.source.requeue(group.epoch, group.prompt_id)
@@ -250,6 +252,7 @@ class RolloutBuffer:
     async def stats(self) -> dict:
         return {"queued": len(self._q), "granted": self.granted, "put_groups": self.put_groups,
                 "taken_groups": self.taken_groups, "dropped_groups": self.dropped_groups,
+                "dropped_continued_groups": self.dropped_continued_groups,
                 "dropped_samples": self.dropped_samples, "trainer_version": self.trainer_version,
                 "ready_version": self.ready_version, "trainer_starts": self.trainer_starts,
                 "rollout_starts": self._rollout_starts(),

@@ -415,10 +415,12 @@ def partial_fields(comp: dict) -> dict:
 
 
 def group_version(samples: list[Sample]) -> int:
-    """The version the buffer judges a group by: the oldest version its samples were last continued under (the
-    samples' common version when none was continued). Judging by the oldest token would drop exactly the samples
-    partial rollouts keep; the trainer's per-token importance ratios correct their older tokens."""
-    return min(s.last_version for s in samples)
+    """The version the buffer judges a group by: the one it finished under, its newest token's (the samples'
+    common version when none was continued). A group is trained whole, and its short samples finish under the
+    version it started with while a long one is continued: judged by their version, every group with a continued
+    sample would be dropped once done, after all its work. The buffer's pacing bounds how far ahead a group
+    starts; the trainer's per-token importance ratios correct its older tokens, which staleness_max reports."""
+    return max(s.last_version for s in samples)
 
 
 def start_workers(cfg: Config) -> list:

@@ -109,6 +109,8 @@ def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command
             "handover_evict_seconds", "handover_write_seconds")},
         "expired_groups": rows[-1].get("rollout_expired_groups", 0) if rows else None,
         "dropped_samples": rows[-1].get("dropped_samples") if rows else None,
+        # of them, groups dropped after a sample of theirs had moved on (rollout.partial)
+        "dropped_continued_groups": (summary.get("buffer") or {}).get("dropped_continued_groups"),
         # rollout.partial (per step): samples continued under a newer version, and the prefill it redid
         "partial_resumed": sum(r.get("partial_resumed", 0) for r in rows),
         "tokens_regenerated": sum(r.get("tokens_regenerated", 0) for r in rows),

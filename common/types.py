@@ -130,8 +130,8 @@ class Sample:
 @dataclass
 class Group:
     """G samples of one prompt, scored and with group-relative advantages. `version`: the one the buffer's
-    staleness rule judges, the samples' common version, or with rollout.partial the oldest version any of them
-    was last continued under (docs/ARCHITECTURE.md, "Partial rollouts")."""
+    staleness rule judges, the samples' common version, or with rollout.partial the version the group finished
+    under, its newest token's (docs/ARCHITECTURE.md, "Partial rollouts")."""
 
     samples: list[Sample]
     version: int

@@ -75,7 +75,8 @@ def test_a_gpu_leases_runs_are_recorded_as_the_benchmarks_table(tmp_path):
                  "reward_mean": 0.5, "staleness_max": 2} for i in range(1, 6)]
         (src / f"gpu_pipeline_tail-{key}.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         runs[key] = {"step_seconds_mean": 5.0, "reward_first_quarter": None, "reward_last_quarter": None,
-                     "trainer_idle_fraction": None, "generation_idle_fraction": None, "wall_seconds": 60.0}
+                     "trainer_idle_fraction": None, "generation_idle_fraction": None, "wall_seconds": 60.0,
+                     "dropped_continued_groups": 3 if "partial" in key else 0}
     doc = {"device": "1 x TEST GPU", "length_tail": "400:1.0:3000", "command": "gpu_pipeline ...",
            "workload": {"max_staleness": 2}, "runs": {"1gpu": runs}}
     (src / "gpu_pipeline_length_tail.json").write_text(json.dumps(doc))
@@ -83,6 +84,7 @@ def test_a_gpu_leases_runs_are_recorded_as_the_benchmarks_table(tmp_path):
     rec = json.loads((tmp_path / "out" / "length_tail_gpu_t.json").read_text())
     assert set(rec["results"]) == {"async", "async-partial"} and rec["device"] == "1 x TEST GPU"
     assert rec["results"]["async"]["step_seconds_mean"] == 5.0 and rec["results"]["async"]["dropped_samples"] == 40
+    assert rec["results"]["async-partial"]["dropped_continued_groups"] == 3
     assert rec["partial_vs_async"] == 1.0 and abs(rec["partial_vs_async_tokens"] - 1.5) < 1e-9
     assert (tmp_path / "out" / "length_tail_gpu_t.png").stat().st_size > 0
     (src / "gpu_pipeline_tail-async-mps.metrics.jsonl").unlink()

@@ -195,31 +195,38 @@ def _group(versions: list[list[list[int]] | None], start: int, pid: str) -> Grou
     from app.rollout_worker import group_version
 
     samples = [Sample(prompt_ids=[1], completion_ids=[2] * sum(n for _, n in tv) if tv else [2], behaviour_logprobs=[],
-                      reward=0.0, advantage=0.0, version=start, prompt_id=pid, token_versions=tv) for tv in versions]
+                      reward=0.0, advantage=0.0, version=start, prompt_id=pid, token_versions=tv,
+                      resumed=len(tv) - 1 if tv else 0) for tv in versions]
     return Group(samples=samples, version=group_version(samples), prompt_id=pid)
 
 
-def test_buffer_judges_a_continued_group_by_its_last_version_and_reports_the_oldest():
+def test_buffer_judges_a_continued_group_by_the_version_it_finished_under_and_reports_the_oldest():
+    """A group trains whole: its short samples finish under the version it started with while a long one moves
+    on. Judged by those (the first rule), every group with a moved sample was dropped once complete."""
     import ray
 
     from app.buffer import RolloutBuffer
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
-        rows = [{"id": str(i), "prompt": "p"} for i in range(4)]
-        buf = RolloutBuffer.remote(max_staleness=1, groups_per_step=4, rows=rows)
-        grants = [ray.get(buf.acquire.remote(0)) for _ in range(3)]
-        continued = _group([[[1, 3], [3, 5]], [[1, 8]], [[1, 2], [4, 6]]], 1, grants[0]["row"]["id"])
-        assert continued.version == 1  # a sample not continued: the group is as old as its v1 sample
-        continued = _group([[[1, 3], [3, 5]], [[2, 2], [3, 6]]], 1, grants[0]["row"]["id"])
-        whole_old = _group([None, None], 1, grants[1]["row"]["id"])
-        whole_new = _group([None], 3, grants[2]["row"]["id"])
+        rows = [{"id": str(i), "prompt": "p"} for i in range(5)]
+        buf = RolloutBuffer.remote(max_staleness=1, groups_per_step=5, rows=rows)
+        grants = [ray.get(buf.acquire.remote(0)) for _ in range(5)]
+        # two short samples done under v1, one long moved to v3 and then v4
+        mixed = _group([[[1, 8]], [[1, 2]], [[1, 3], [3, 5], [4, 6]]], 1, grants[0]["row"]["id"])
+        assert mixed.version == 4 and mixed.oldest_version == 1
+        continued = _group([[[1, 3], [3, 5]], [[2, 2], [3, 6]]], 1, grants[1]["row"]["id"])
+        whole_old = _group([None, None], 1, grants[2]["row"]["id"])
+        whole_new = _group([None], 3, grants[3]["row"]["id"])
         assert continued.version == 3 and continued.oldest_version == 1
-        for g in (whole_old, continued, whole_new):
+        moved_too_early = _group([[[0, 2], [1, 3]]], 0, grants[4]["row"]["id"])  # finished under v1: too old
+        for g in (whole_old, mixed, continued, whole_new, moved_too_early):
             ray.get(buf.put.remote(g, 0))
-        out = ray.get(buf.get_batch.remote(4, 2, timeout=5))  # floor 3: v1 whole group dropped, v3 ones kept
-        assert [g.version for g in out["groups"]] == [3, 3] and out["dropped_samples"] == 2
+        out = ray.get(buf.get_batch.remote(4, 3, timeout=5))  # floor 3: the two v1 groups dropped, the rest kept
+        assert [g.version for g in out["groups"]] == [3, 3, 4] and out["dropped_samples"] == 3
         assert out["staleness_max"] == 3 and out["staleness_accept_max"] == 1
+        stats = ray.get(buf.stats.remote())
+        assert stats["dropped_groups"] == 2 and stats["dropped_continued_groups"] == 1
     finally:
         ray.shutdown()
 

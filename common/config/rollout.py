@@ -37,8 +37,8 @@ class RolloutConfig(Section):
         False, "Partial rollouts (async runs, sync.mode adapter): a sample in flight when a newer version goes live "
                "moves to it mid-completion (the engine request is aborted and continued from prompt + the tokens so "
                "far, token-exact, on the same replica) instead of finishing under an old version or being dropped "
-               "as too stale; each token keeps its version and behaviour logprob (docs/ARCHITECTURE.md, \"Partial "
-               "rollouts\").")
+               "as too stale; each token keeps its version and behaviour logprob, and sync.max_staleness judges a "
+               "group by the version it finished under (docs/ARCHITECTURE.md, \"Partial rollouts\").")
     partial_policy: PartialPolicy = option(
         "at_limit", "With rollout.partial: at_limit moves the samples whose version leaves the live window (those "
                     "that would otherwise be aborted as too stale); all moves every sample under an older version "
