@@ -17,7 +17,8 @@ class SyncConfig(Section):
     every: int = option(1, "Publish every N optimizer steps.", ge=1)
     delta_threshold: float = option(0.0, "Skip a publish when no adapter tensor moved more than this (max abs).",
                                     ge=0)
-    max_staleness: int = option(2, "Accept samples of versions >= trainer version - max_staleness.", ge=0)
+    max_staleness: int = option(2, "Accept samples of versions >= trainer version - max_staleness (with "
+                                   "rollout.partial, a group's version is the one it finished under).", ge=0)
     max_loras: int | None = option(None, "Adapter slots per replica; default and minimum: the live versions "
                                          "(max_staleness + 1), one to swap in the next, and one for the version "
                                          "under evaluation while eval.path is set (`Config.adapter_slots`).")
