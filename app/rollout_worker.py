@@ -253,7 +253,8 @@ class RolloutWorker:
         async def attempt() -> list[dict]:
             session = {"replica": replica} if replica is not None else {}
             if self.cfg.rollout.partial:
-                session["partial"] = self.cfg.rollout.partial_policy
+                # at_limit moves a sample once it is max_staleness versions behind the newest (partial_rollouts.py)
+                session.update(partial=self.cfg.rollout.partial_policy, partial_limit=self.cfg.sync.max_staleness)
             return await self._ingress_handle().generate_group.remote(prompt_ids, n, version, sampling,
                                                                       drop_if_expired=True, **session)
 

@@ -120,11 +120,12 @@ class Ingress:
 
     async def generate_group(self, prompt_token_ids: list[int], n: int, version: int | None = None,
                              sampling: dict | None = None, drop_if_expired: bool = False,
-                             replica: str | None = None, run: str = "", partial: str | None = None) -> list[dict]:
+                             replica: str | None = None, run: str = "", partial: str | None = None,
+                             partial_limit: int | None = None) -> list[dict]:
         """n samples of one prompt under one pinned version (rollout_groups.RolloutGroups.generate_group)."""
         await self._known(run)
         return await self._rollouts.generate_group(prompt_token_ids, n, version, sampling, drop_if_expired,
-                                                   replica, run, partial)
+                                                   replica, run, partial, partial_limit)
 
     async def pin_version(self, run: str = "") -> int:
         """The version a rollout started now would pin (rollout_groups.RolloutGroups.pin_version)."""

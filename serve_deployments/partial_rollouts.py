@@ -5,11 +5,15 @@ dropped with) the version it started with.
 A partial request runs as segments, one engine request each. The table below knows every running segment by
 run; two events move them:
 - a newer version of the run is loaded on this replica (`newer_loaded`, from the adapter-load path): with
-  policy `all`, every segment of the run under an older version moves;
+  policy `all`, every segment of the run under an older version moves; with policy `at_limit`, the segments
+  whose version is now `limit` (the run's sync.max_staleness, sent with the request) or more behind it. Those
+  are the samples the trainer's next batch could no longer take once they finish: the trainer takes a batch
+  as soon as it publishes, so a group still running under the oldest acceptable version misses that batch
+  and is below the drop floor at the next (a 2-core run dropped 1-3 such groups in 30 steps when at_limit
+  moved on `expire` alone, one version later);
 - the run's registry expires versions (`expired`, from `expire`): segments under them move, whatever the
-  policy. That is policy `at_limit`'s one trigger: the registry alone knows the live window (max_staleness),
-  so the replica does not guess which version the next load will push out; the move comes one `expire`
-  call after the load, and exactly the requests that would otherwise get VersionExpiredError move;
+  policy (a request sent without a limit moves only then: exactly the requests that would otherwise get
+  VersionExpiredError);
 - the version is unloaded here (`leaving`: an operator's unload, or the rollback of a load a lost replica
   failed): its segments move to the run's newest version left, older if need be, and the unload does not
   wait for the rest of their completions.
@@ -28,15 +32,23 @@ PARTIAL_POLICIES: tuple[str, ...] = typing.get_args(PartialPolicy)
 
 
 class Segment:
-    """One partial request's running engine request: its run, version and policy, which segment of its request
-    it is (0: the first; more: a continuation), and the signal to move."""
+    """One partial request's running engine request: its run, version, policy and staleness limit (at_limit; None:
+    moved on expire alone), which segment of its request it is (0: the first; more: a continuation), and the
+    signal to move."""
 
-    __slots__ = ("run", "version", "policy", "index", "move", "cancelled")
+    __slots__ = ("run", "version", "policy", "limit", "index", "move", "cancelled")
 
-    def __init__(self, run: str, version: int, policy: str, index: int = 0):
+    def __init__(self, run: str, version: int, policy: str, index: int = 0, limit: int | None = None):
         self.run, self.version, self.policy, self.index = run, int(version), policy, int(index)
+        self.limit = None if limit is None else int(limit)
         self.move = asyncio.Event()
         self.cancelled = False  # the run left: abort, do not continue
+
+
+def moves_on_load(seg: Segment, newest: int) -> bool:
+    """Whether `seg` moves once `newest` is loaded: always under policy all, under at_limit when its version is
+    `limit` or more behind."""
+    return seg.policy == "all" or (seg.limit is not None and newest - seg.version >= seg.limit)
 
 
 class PartialTable:
@@ -66,8 +78,9 @@ class PartialTable:
         return n
 
     def newer_loaded(self, version: int, run: str = "") -> int:
-        """Run `run`'s `version` was loaded here: policy-`all` segments under older versions move."""
-        return self._signal([s for s in self._by_run.get(run, ()) if s.policy == "all" and s.version < version])
+        """Run `run`'s `version` was loaded here: policy-`all` segments under older versions move, and policy-
+        `at_limit` ones at their limit or past it."""
+        return self._signal([s for s in self._by_run.get(run, ()) if s.version < version and moves_on_load(s, version)])
 
     def expired(self, versions, run: str = "") -> int:
         """The registry expired these versions of `run`: their segments move (every policy)."""

@@ -5,8 +5,9 @@ per token: at a few hundred sequences in flight the per-token output objects and
 detokenization in this process cost more than a decode step on a GPU, and everything else on this event
 loop (adapter loads) waits behind them. The text is decoded once at the end.
 
-A partial request (`req["partial"]`: "at_limit" | "all", rollout.partial) runs as segments that move to a
-newer version of its run mid-generation (partial_rollouts.py). Aborting a FINAL_ONLY request in vLLM 0.32
+A partial request (`req["partial"]`: "at_limit" | "all", rollout.partial; `req["partial_limit"]`: the run's
+sync.max_staleness, for at_limit) runs as segments that move to a newer version of its run mid-generation
+(partial_rollouts.py). Aborting a FINAL_ONLY request in vLLM 0.32
 (`AsyncLLM.abort`) makes its output processor put one last output in the request's queue, finish_reason
 "abort", with every token id and sampled-token logprob produced so far (output_processor.abort_requests ->
 make_request_output(finish_reason=ABORT)): the tokens so far cost nothing per token, and FINAL_ONLY stays.
@@ -18,7 +19,7 @@ import uuid
 
 from common.types import add_segment
 from serve_deployments.engine_weights import ReplicaError
-from serve_deployments.partial_rollouts import PARTIAL_POLICIES, Segment
+from serve_deployments.partial_rollouts import PARTIAL_POLICIES, Segment, moves_on_load
 from serve_deployments.replica_adapters import ReplicaAdapters, VersionExpiredError, check_run
 
 # SamplingParams fields generate() passes through besides max_tokens/temperature/top_p/seed/logprobs.
@@ -111,13 +112,20 @@ class RolloutPath:
         token_ids), `resumed` (continuations of tokens already sampled) and `regenerated_tokens` (prompt + kept
         tokens the continuations prefilled again: their prompt lengths minus the tokens the engine found
         cached); `version` stays the one it started under."""
-        policy = str(req["partial"])
+        policy, limit = str(req["partial"]), req.get("partial_limit")
         if policy not in PARTIAL_POLICIES:
             raise ReplicaError(f"partial: {policy!r} is not one of {', '.join(PARTIAL_POLICIES)}", 400)
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ReplicaError(f"partial_limit: {limit!r} is not an integer >= 0 (the run's sync.max_staleness)", 400)
         max_tokens, min_tokens = int(s.get("max_tokens", 16)), int(s.get("min_tokens") or 0)
         current = version
-        if self.adapters.is_draining(version, run) or await self.adapters.trimmed(version, run):
-            current = self._next(version, run)  # e.g. a later turn of an episode whose version expired meanwhile
+        newest = self.adapters.newest(run)
+        if (self.adapters.is_draining(version, run) or await self.adapters.trimmed(version, run)
+                or (newest is not None and newest > version and moves_on_load(Segment(run, version, policy,
+                                                                                      limit=limit), newest))):
+            # e.g. a later turn of an episode whose version expired meanwhile, or is already as far behind the newest
+            # as a load would move it
+            current = self._next(version, run)
         tokens: list[int] = []
         logprobs: list[float] = []
         segments: list[list[int]] = []
@@ -128,7 +136,7 @@ class RolloutPath:
             if min_tokens:
                 seg_s["min_tokens"] = max(0, min_tokens - len(tokens))
             params = sampling_params(seg_s, detokenize)
-            seg = Segment(run, current, policy, resumed)
+            seg = Segment(run, current, policy, resumed, limit)
             ids = prompt_ids + tokens  # token ids, never text: what the engine produced, exactly
             async with self.adapters.hold(current, run) as lora:
                 self.adapters.partial.add(seg)

@@ -12,7 +12,8 @@
 - `drop_if_expired`: the group fails with VersionExpiredError as soon as its version expires, and at once
   when it names a version already trimmed from the live window (a later turn of a long episode).
 - `partial` ("at_limit" | "all", rollout.partial): each sample may move to a newer version of the run while
-  it generates (partial_rollouts.py); the group still pins its starting version, and one already trimmed
+  it generates (partial_rollouts.py; `partial_limit`, the run's sync.max_staleness, says when at_limit moves
+  one); the group still pins its starting version, and one already trimmed
   from the live window (a later turn of a long episode), unloaded, or not live yet (a turn that moved to a
   version a replica loaded before the registry marked it live) starts under the newest live one instead of
   failing.
@@ -59,7 +60,8 @@ class RolloutGroups:
 
     async def generate_group(self, prompt_token_ids: list[int], n: int, version: int | None = None,
                              sampling: dict | None = None, drop_if_expired: bool = False,
-                             replica: str | None = None, run: str = "", partial: str | None = None) -> list[dict]:
+                             replica: str | None = None, run: str = "", partial: str | None = None,
+                             partial_limit: int | None = None) -> list[dict]:
         """n samples of one prompt (module docstring). Each result names its version, the sha256 of the
         adapter that produced it, its replica and the prompt tokens the engine found cached. `replica`:
         a multi-turn episode's session, the replica that served its previous turn (its KV cache holds the
@@ -98,6 +100,8 @@ class RolloutGroups:
                    "drop_if_expired": bool(drop_if_expired)}
             if partial:
                 req["partial"] = str(partial)
+                if partial_limit is not None:
+                    req["partial_limit"] = int(partial_limit)
             if run:
                 req["run"] = run
             release = self._admission.take(n)

@@ -138,26 +138,33 @@ class TestOneFleetReplica:
                                          "2": fleet.replica.adapters.served_sha(2, "a")}
 
 
-    def test_at_limit_moves_on_expire_and_only_within_its_run(self, fleet):
+    def test_at_limit_moves_at_its_limit_or_on_expire_and_only_within_its_run(self, fleet):
         async def main():
             r = fleet.replica
             a_task = asyncio.ensure_future(r.generate(fleet.req("a", 2, partial="at_limit")))
+            # what the worker sends: the run's max_staleness (1), so a/v3 going live puts a/v2 at the limit
+            limited = asyncio.ensure_future(r.generate(fleet.req("a", 2, partial="at_limit", partial_limit=1)))
             b_task = asyncio.ensure_future(r.generate(fleet.req("b", 1, partial="all")))
             plain = asyncio.ensure_future(r.generate(fleet.req("a", 2)))  # not partial: expire aborts it
             await _until_generating(r)
             fleet.publish("a", 3)
-            await r.load_adapter(3, "a")  # at_limit: a newer version alone does not move a/v2; b's run is not a's
+            await r.load_adapter(3, "a")  # b's run is not a's: nothing of b moves
             await asyncio.sleep(0.1)
-            assert r.adapters.partial.running("a") == 1 and r.adapters.partial.running("b") == 1
+            # the limited one moved on the load; without a limit at_limit waits for the expire
+            running = sorted(seg.version for seg in r.adapters.partial._by_run["a"])
+            assert r.adapters.partial.running("b") == 1
             aborted = await r.expire([2], "a")  # the registry trimmed a/v2: the partial one moves, the plain one ends
-            return aborted, await a_task, await b_task, await asyncio.gather(plain, return_exceptions=True)
+            return (running, aborted, await a_task, await limited, await b_task,
+                    await asyncio.gather(plain, return_exceptions=True))
 
         from serve_deployments.replica import VersionExpiredError
 
-        aborted, a_out, b_out, (plain,) = fleet.run(main())
+        running, aborted, a_out, limited_out, b_out, (plain,) = fleet.run(main())
+        assert running == [2, 3]
         assert aborted == 1 and isinstance(plain, VersionExpiredError)
-        assert [v for v, _ in a_out["versions"]] == [2, 3] and a_out["resumed"] == 1
-        assert fleet.check_logprobs("a", a_out) <= TOL
+        for out in (a_out, limited_out):
+            assert [v for v, _ in out["versions"]] == [2, 3] and out["resumed"] == 1 and len(out["token_ids"]) == N
+            assert fleet.check_logprobs("a", out) <= TOL
         # run b has only policy-v1: a/policy-v3 going live moves nothing of b's
         assert b_out["versions"] == [[1, N]] and b_out["resumed"] == 0 and b_out["run"] == "b"
 

@@ -314,6 +314,13 @@ def test_a_replica_started_after_a_trim_knows_the_trimmed_version_is_gone(tiny_m
         out = await replica.generate(req(1, partial="at_limit", drop_if_expired=True))
         assert out["version"] == 1 and out["versions"] == [[3, 4]]
         assert out["token_ids"] == (await replica.generate(req(3)))["token_ids"]  # sampled under v3 alone
+        # live, but as far behind the newest as at_limit's limit: a load would move it at once, so it starts there
+        out = await replica.generate(req(2, partial="at_limit", partial_limit=1, drop_if_expired=True))
+        assert out["version"] == 2 and out["versions"] == [[3, 4]]
+        for bad in (-1, "1", True):
+            with pytest.raises(ReplicaError, match="partial_limit") as e:
+                await replica.generate(req(2, partial="at_limit", partial_limit=bad))
+            assert e.value.status_code == 400
         with pytest.raises(ReplicaError, match="registry does not hold") as e:  # never published: still missing
             await replica.generate(req(9, drop_if_expired=True))
         assert e.value.status_code == 404
