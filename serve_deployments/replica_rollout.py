@@ -120,12 +120,11 @@ class RolloutPath:
         max_tokens, min_tokens = int(s.get("max_tokens", 16)), int(s.get("min_tokens") or 0)
         current = version
         newest = self.adapters.newest(run)
-        if (self.adapters.is_draining(version, run) or await self.adapters.trimmed(version, run)
-                or (newest is not None and newest > version and moves_on_load(Segment(run, version, policy,
-                                                                                      limit=limit), newest))):
-            # e.g. a later turn of an episode whose version expired meanwhile, or is already as far behind the newest
-            # as a load would move it
-            current = self._next(version, run)
+        # as far behind the newest loaded here as a load would move it: it starts there instead
+        behind = newest is not None and newest > version and moves_on_load(Segment(run, version, policy, limit=limit),
+                                                                           newest)
+        if behind or self.adapters.is_draining(version, run) or await self.adapters.trimmed(version, run):
+            current = self._next(version, run)  # e.g. a later turn of an episode whose version expired meanwhile
         tokens: list[int] = []
         logprobs: list[float] = []
         segments: list[list[int]] = []

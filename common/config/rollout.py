@@ -42,8 +42,8 @@ class RolloutConfig(Section):
     partial_policy: PartialPolicy = option(
         "at_limit", "With rollout.partial: at_limit moves a sample once its version is sync.max_staleness behind "
                     "the newest loaded (finished under it, it would miss the batch the trainer takes as it publishes "
-                    "and be too stale for the next); all "
-                    "moves every sample under an older version as soon as a newer one is loaded.")
+                    "and be too stale for the next); all moves every sample under an older version as soon as a newer "
+                    "one is loaded.")
     behaviour_logprobs: BehaviourLogprobs = option(
         "engine", "Who computes each sampled token's behaviour logprob: engine (vLLM returns it with the token) or "
                   "trainer (the engine samples without logprobs, ~25% of a GPU decode step, and the trainer scores "
