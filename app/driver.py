@@ -121,8 +121,9 @@ def _run(cfg: Config, console: Console, *, keep_serving: bool, progress: bool, v
                            "--resume %s", watch.last_step, cfg.train.total_steps, run_dir)
             status = "KILLED"
             checkpoint = outcome.result.checkpoint
+            # the buffer's counts so far (drops, moved groups): a benchmark stopped at its deadline still reports them
             return {"interrupted": True, "steps": watch.last_step, "run_dir": str(run_dir),
-                    "checkpoint": checkpoint.path if checkpoint else None}
+                    "checkpoint": checkpoint.path if checkpoint else None, "buffer": _buffer_stats(actors.buffer)}
         if evals is not None and watch.rows and not outcome.raised:
             evals.finish(watch.last_step, watch.rows[-1].get("version"))
         summary = finish_run(cfg, outcome.checked_result(), actors, evals, started)
@@ -167,6 +168,16 @@ def _log_trainer(cfg: Config, held_out: list[dict] | None) -> None:
                 cfg.rollout.workers, cfg.train.total_steps,
                 f"; eval on {len(held_out)} prompts of {cfg.eval.path} every {cfg.eval.every} steps"
                 if held_out else "")
+
+
+def _buffer_stats(buffer) -> dict | None:
+    """The run's RolloutBuffer counts; None when it cannot answer (a stop is not the place to fail)."""
+    import ray
+
+    try:
+        return ray.get(buffer.stats.remote(), timeout=30)
+    except Exception:  # the buffer actor died with whatever stopped the run
+        return None
 
 
 __all__ = ["run", "stop_serving"]

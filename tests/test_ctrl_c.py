@@ -46,3 +46,17 @@ def test_ctrl_c_once_requests_a_stop_twice_stops_at_once(ray_local):
             pytest.fail("the second Ctrl-C did not interrupt the driver")
     assert ctrl_c.count == 2
     assert signal.getsignal(signal.SIGINT) is before  # the handler is removed on the way out
+
+
+def test_a_stopped_run_reports_the_buffers_counts_and_a_dead_buffer_does_not_fail_the_stop(ray_local):
+    """driver.run's answer for a run stopped by Ctrl-C (or a benchmark's deadline) carries the buffer's counts
+    (drops, groups dropped after a sample moved); a buffer that died with the run gives None, not an error."""
+    from app.buffer import RolloutBuffer
+    from app.driver import _buffer_stats
+
+    ray = ray_local
+    buf = RolloutBuffer.remote(max_staleness=1, groups_per_step=2, rows=[])
+    stats = _buffer_stats(buf)
+    assert stats["dropped_samples"] == 0 and stats["dropped_continued_groups"] == 0
+    ray.kill(buf)
+    assert _buffer_stats(buf) is None
