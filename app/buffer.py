@@ -68,6 +68,11 @@ class RolloutBuffer:
         self.ready_version = trainer_version  # the newest trainer version being served
         self.granted = 0  # slots handed to workers (released slots are given back)
         self.dropped_groups = self.dropped_samples = self.dropped_continued_groups = 0
+        # Why a group was dropped: it sat in the queue, acceptable, while a batch was taken without it (more
+        # acceptable groups than a batch holds: `dropped_waited_groups`), or it was put after the last batch that
+        # could take it (finished too late: the rest). id(group) -> batches taken while it was queued.
+        self.dropped_waited_groups = 0
+        self._passed: dict[int, int] = {}
         self.put_groups = self.taken_groups = 0
         self._closed = False
         # worker id -> its slots granted and neither released nor put: (epoch, prompt id)
@@ -184,6 +189,7 @@ class RolloutBuffer:
             self.dropped_samples += sum(len(group.samples) for group in stale)
             # with rollout.partial: groups dropped after one of their samples had moved to a newer version
             self.dropped_continued_groups += sum(any(s.resumed for s in group.samples) for group in stale)
+            self.dropped_waited_groups += sum(self._passed.pop(id(group), 0) > 0 for group in stale)
             self.granted -= len(stale)
             for group in stale:  # dropped, never trained on: the prompts come again
                 self.source.requeue(group.epoch, group.prompt_id)
@@ -208,6 +214,10 @@ class RolloutBuffer:
             # taken in finishing order they can push it past the floor (BENCHMARKS.md section 19).
             queued = sorted(self._q, key=lambda group: group.version)  # stable: a tie keeps finishing order
             groups, self._q = queued[:n_groups], deque(queued[n_groups:])
+            for group in groups:
+                self._passed.pop(id(group), None)
+            for group in self._q:
+                self._passed[id(group)] = self._passed.get(id(group), 0) + 1
             self.taken_groups += n_groups
             filtered, self._filtered = self._filtered, []
             for group in groups:
@@ -253,6 +263,7 @@ class RolloutBuffer:
         return {"queued": len(self._q), "granted": self.granted, "put_groups": self.put_groups,
                 "taken_groups": self.taken_groups, "dropped_groups": self.dropped_groups,
                 "dropped_continued_groups": self.dropped_continued_groups,
+                "dropped_waited_groups": self.dropped_waited_groups,
                 "dropped_samples": self.dropped_samples, "trainer_version": self.trainer_version,
                 "ready_version": self.ready_version, "trainer_starts": self.trainer_starts,
                 "rollout_starts": self._rollout_starts(),

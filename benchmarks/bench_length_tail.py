@@ -151,7 +151,7 @@ def _from_gpu(src: Path, out: Path, tag: str, argv) -> int:
         mode = key.removesuffix("-mps")
         results[mode] = _record(metrics, run, run.get("wall_seconds", 0.0))
         gpu_runs[mode] = {k: run.get(k) for k in ("step_seconds_mean", "step_seconds_p50", "dropped_samples",
-                                                  "dropped_continued_groups",
+                                                  "dropped_continued_groups", "dropped_waited_groups",
                                                   "expired_groups", "partial_resumed", "tokens_regenerated",
                                                   "gpu_sm_util_mean", "stopped_at_deadline", "wall_seconds")}
     lengths = draw_lengths(512, tail["median"], tail["sigma"], tail["hi"], tail["lo"], seed=0)  # gpu_pipeline's
@@ -183,6 +183,9 @@ def _record(metrics: list[dict], s: dict, total_s: float) -> dict:
             # of them, groups dropped after a sample of theirs had moved on (rollout.partial)
             "dropped_continued_groups": s.get("dropped_continued_groups",
                                               (s.get("buffer") or {}).get("dropped_continued_groups")),
+            # of them, groups passed over by a batch while acceptable (the rest finished after their last batch)
+            "dropped_waited_groups": s.get("dropped_waited_groups",
+                                           (s.get("buffer") or {}).get("dropped_waited_groups")),
             # groups whose version left the window mid-generation: aborted, their prompts handed out again
             "expired_groups": max(r.get("rollout_expired_groups", 0) for r in metrics),
             "partial_resumed": sum(r.get("partial_resumed", 0) for r in metrics),

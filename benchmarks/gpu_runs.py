@@ -111,6 +111,8 @@ def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command
         "dropped_samples": rows[-1].get("dropped_samples") if rows else None,
         # of them, groups dropped after a sample of theirs had moved on (rollout.partial)
         "dropped_continued_groups": (summary.get("buffer") or {}).get("dropped_continued_groups"),
+        # of them, groups a batch passed over while they were acceptable (the rest finished after their last batch)
+        "dropped_waited_groups": (summary.get("buffer") or {}).get("dropped_waited_groups"),
         # rollout.partial (per step): samples continued under a newer version, and the prefill it redid
         "partial_resumed": sum(r.get("partial_resumed", 0) for r in rows),
         "tokens_regenerated": sum(r.get("tokens_regenerated", 0) for r in rows),

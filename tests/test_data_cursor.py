@@ -221,6 +221,28 @@ def test_buffer_trains_the_oldest_version_first_not_the_first_finished():
     asyncio.run(go())
 
 
+def test_buffer_says_why_a_group_was_dropped_passed_over_or_too_late():
+    """A dropped group either waited in the queue, acceptable, while a batch was taken without it (more acceptable
+    groups than a batch holds) or was put after the last batch that could take it: `dropped_waited_groups` counts
+    the first, so a benchmark's drops say which fix they need (the queue's order, or when samples move)."""
+    async def go():
+        b = _buffer(max_staleness=1, per_step=1)  # lead 1: 2 slots while version 0 is ready
+        grants = [await b.acquire(worker_id=0, timeout=1) for _ in range(2)]
+        for g in grants:
+            assert await b.put(_group(g["epoch"], g["row"]["id"], version=0), worker_id=0)
+        await b.get_batch(0, 1, timeout=1)  # takes one v0 group; the other waits, acceptable
+        await b.set_trainer_version(2)  # floor 1: the waiting one goes
+        stats = await b.stats()
+        assert stats["dropped_groups"] == 1 and stats["dropped_waited_groups"] == 1
+        late = await b.acquire(worker_id=0, timeout=1)
+        assert await b.put(_group(late["epoch"], late["row"]["id"], version=0), worker_id=0)  # finished too late
+        await b.set_trainer_version(2)
+        stats = await b.stats()
+        assert stats["dropped_groups"] == 2 and stats["dropped_waited_groups"] == 1
+
+    asyncio.run(go())
+
+
 def test_rewind_gives_back_the_lost_steps_slots():
     """A restored trainer needs batches again that its lost steps took: their slots come back with the prompts,
     or pacing (slots counted past ready_version + lead) grants nothing and the run deadlocks."""
