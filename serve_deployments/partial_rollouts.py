@@ -45,10 +45,10 @@ class Segment:
         self.cancelled = False  # the run left: abort, do not continue
 
 
-def moves_on_load(seg: Segment, newest: int) -> bool:
-    """Whether `seg` moves once `newest` is loaded: always under policy all, under at_limit when its version is
-    `limit` or more behind."""
-    return seg.policy == "all" or (seg.limit is not None and newest - seg.version >= seg.limit)
+def moves_on_load(policy: str, limit: int | None, version: int, newest: int) -> bool:
+    """Whether a segment under `version` moves once `newest` is loaded: when older, always under policy all, under
+    at_limit when `limit` or more versions behind."""
+    return version < newest and (policy == "all" or (limit is not None and newest - version >= limit))
 
 
 class PartialTable:
@@ -80,7 +80,8 @@ class PartialTable:
     def newer_loaded(self, version: int, run: str = "") -> int:
         """Run `run`'s `version` was loaded here: policy-`all` segments under older versions move, and policy-
         `at_limit` ones at their limit or past it."""
-        return self._signal([s for s in self._by_run.get(run, ()) if s.version < version and moves_on_load(s, version)])
+        segs = self._by_run.get(run, ())
+        return self._signal([s for s in segs if moves_on_load(s.policy, s.limit, s.version, version)])
 
     def expired(self, versions, run: str = "") -> int:
         """The registry expired these versions of `run`: their segments move (every policy)."""

@@ -121,8 +121,7 @@ class RolloutPath:
         current = version
         newest = self.adapters.newest(run)
         # as far behind the newest loaded here as a load would move it: it starts there instead
-        behind = newest is not None and newest > version and moves_on_load(Segment(run, version, policy, limit=limit),
-                                                                           newest)
+        behind = newest is not None and moves_on_load(policy, limit, version, newest)
         if behind or self.adapters.is_draining(version, run) or await self.adapters.trimmed(version, run):
             current = self._next(version, run)  # e.g. a later turn of an episode whose version expired meanwhile
         tokens: list[int] = []
