@@ -58,8 +58,16 @@ class Grant(TypedDict):
 @ray.remote(num_cpus=0)
 class RolloutBuffer:
     def __init__(self, max_staleness: int, groups_per_step: int, rows: list[dict], *, lead: int | None = None,
-                 seed: int = 0, epochs: int = 1, consumed: dict | None = None, trainer_version: int = 0):
+                 seed: int = 0, epochs: int = 1, consumed: dict | None = None, trainer_version: int = 0,
+                 take_after_served_s: float = 0.0):
         self.max_staleness = max_staleness
+        # rollout.partial: a batch is taken once the version the trainer just published is served (at most this
+        # long), since loading it is what moves the samples at the staleness limit (at_limit). Taken earlier, a
+        # group of the oldest acceptable version that finishes between the take and the load misses this batch
+        # and is below the floor at the next: the drops left on an H100 (BENCHMARKS.md section 19).
+        self.take_after_served_s = take_after_served_s
+        self.served_waits = self.served_wait_timeouts = 0
+        self.served_wait_seconds = 0.0
         self.groups_per_step = groups_per_step
         self.lead = max_staleness if lead is None else lead
         self._q: deque[Group] = deque()
@@ -203,6 +211,7 @@ class RolloutBuffer:
         t0 = time.perf_counter()
         async with self._cond:
             self._advance(trainer_version)
+            served_wait = await self._wait_served(trainer_version)
             await asyncio.wait_for(
                 self._cond.wait_for(lambda: self._closed or (self._drop_stale() and len(self._q) >= n_groups)),
                 timeout)
@@ -232,9 +241,26 @@ class RolloutBuffer:
             "staleness_mean": sum(trainer_version - v for v in oldest) / len(oldest),
             "staleness_max": max(trainer_version - v for v in oldest),
             "staleness_accept_max": max(trainer_version - group.version for group in groups),
+            "served_wait_seconds": served_wait,
             "dropped_samples": self.dropped_samples,
             "filtered": filtered,
         }
+
+    async def _wait_served(self, trainer_version: int) -> float:
+        """With `take_after_served_s`: wait (lock released) until `trainer_version` is served, the buffer closes or
+        the bound passes (a slow or failed publish then shows in the trainer's own flush). Returns seconds waited."""
+        if self.take_after_served_s <= 0 or self.ready_version >= trainer_version:
+            return 0.0
+        t0 = time.perf_counter()
+        self.served_waits += 1
+        try:
+            await asyncio.wait_for(self._cond.wait_for(
+                lambda: self._closed or self.ready_version >= trainer_version), self.take_after_served_s)
+        except asyncio.TimeoutError:
+            self.served_wait_timeouts += 1
+        waited = time.perf_counter() - t0
+        self.served_wait_seconds += waited
+        return waited
 
     def _advance(self, version: int) -> None:
         self.trainer_version = max(self.trainer_version, version)
@@ -264,6 +290,8 @@ class RolloutBuffer:
                 "taken_groups": self.taken_groups, "dropped_groups": self.dropped_groups,
                 "dropped_continued_groups": self.dropped_continued_groups,
                 "dropped_waited_groups": self.dropped_waited_groups,
+                "served_waits": self.served_waits, "served_wait_timeouts": self.served_wait_timeouts,
+                "served_wait_seconds": round(self.served_wait_seconds, 3),
                 "dropped_samples": self.dropped_samples, "trainer_version": self.trainer_version,
                 "ready_version": self.ready_version, "trainer_starts": self.trainer_starts,
                 "rollout_starts": self._rollout_starts(),

@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("app")
 RUNS_END_S = 10.0  # how long teardown waits for the rollout workers' calls to end
+# rollout.partial: how long a batch waits for the version just published to be served (app/buffer.py); a load takes
+# ~0.1-0.3 s on one GPU, so the bound is only reached when a publish hangs or fails (the trainer raises that itself)
+TAKE_AFTER_SERVED_S = 5.0
 
 
 @dataclass
@@ -83,5 +86,6 @@ def start_run_actors(cfg: Config, rows: list[dict], resume: Resume | None) -> Ru
         cfg.sync.max_staleness, cfg.grpo.prompts_per_step, rows, lead=0 if cfg.run.mode == "sync" else None,
         seed=cfg.data.shuffle_seed, epochs=cfg.data.epochs,
         consumed=resume.state.get("data") if resume is not None else None,
-        trainer_version=resume.version if resume is not None else 0)
+        trainer_version=resume.version if resume is not None else 0,
+        take_after_served_s=TAKE_AFTER_SERVED_S if cfg.rollout.partial else 0.0)
     return RunActors(registry, metrics, buffer)

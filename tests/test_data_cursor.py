@@ -243,6 +243,39 @@ def test_buffer_says_why_a_group_was_dropped_passed_over_or_too_late():
     asyncio.run(go())
 
 
+def test_with_partial_rollouts_a_batch_is_taken_once_the_published_version_is_served():
+    """rollout.partial: loading a version is what moves the samples at the staleness limit, so a batch taken before
+    the replicas load it misses a group of the oldest acceptable version that finishes meanwhile, and that group is
+    below the floor at the next batch. The buffer takes the batch once the version is served (bounded)."""
+    async def go():
+        from app.buffer import RolloutBuffer
+
+        b = RolloutBuffer.__ray_actor_class__(1, 1, ROWS, seed=0, epochs=1, take_after_served_s=5.0)
+        grants = [await b.acquire(worker_id=0, timeout=1) for _ in range(2)]
+        assert await b.put(_group(grants[0]["epoch"], grants[0]["row"]["id"], version=0), worker_id=0)
+        await b.set_trainer_version(1, ready=False)  # published in the background: not served yet
+        batch = asyncio.ensure_future(b.get_batch(1, 1, timeout=5))
+        await asyncio.sleep(0.2)
+        assert not batch.done()  # waits for the load, though an acceptable group is queued
+        # the group of the oldest acceptable version (0) that finished before the load
+        assert await b.put(_group(grants[1]["epoch"], grants[1]["row"]["id"], version=0), worker_id=0)
+        await b.mark_ready(1)
+        out = await asyncio.wait_for(batch, 2)
+        assert out["served_wait_seconds"] >= 0.2 and [g.version for g in out["groups"]] == [0]
+        stats = await b.stats()
+        assert stats["served_waits"] == 1 and stats["served_wait_timeouts"] == 0
+        # a publish that never reports served costs the bound, not the run
+        b.take_after_served_s = 0.3
+        g = await b.acquire(worker_id=0, timeout=1)
+        assert await b.put(_group(g["epoch"], g["row"]["id"], version=1), worker_id=0)
+        await b.set_trainer_version(2, ready=False)
+        out = await b.get_batch(2, 1, timeout=2)
+        assert out is not None and out["served_wait_seconds"] >= 0.3
+        assert (await b.stats())["served_wait_timeouts"] == 1
+
+    asyncio.run(go())
+
+
 def test_rewind_gives_back_the_lost_steps_slots():
     """A restored trainer needs batches again that its lost steps took: their slots come back with the prompts,
     or pacing (slots counted past ready_version + lead) grants nothing and the run deadlocks."""

@@ -19,6 +19,7 @@ class StepBatch:
     staleness_accept_max: int = 0
     dropped_samples: int = 0
     wait_seconds: float = 0.0
+    served_wait_seconds: float = 0.0  # rollout.partial: of wait_seconds, waiting for the last version to be served
     filtered: list[str] = field(default_factory=list)  # "epoch:id" of groups dynamic sampling dropped since
 
     @property
@@ -39,7 +40,7 @@ class StepBatch:
         return {"partial_resumed": sum(s.resumed for s in samples),
                 "versions_per_sample_mean": sum(s.n_versions for s in samples) / len(samples),
                 "tokens_regenerated": sum(s.regenerated_tokens for s in samples),
-                "staleness_accept_max": self.staleness_accept_max}
+                "staleness_accept_max": self.staleness_accept_max, "served_wait_seconds": self.served_wait_seconds}
 
     def episode_stats(self) -> dict:
         """Multi-turn metrics of the step's episodes (none for single-turn samples): turns and tool calls
@@ -83,7 +84,9 @@ def buffer_batch(buffer, trainer_version: int, n_groups: int) -> StepBatch | Non
     return StepBatch(groups=out["groups"], staleness_mean=float(out["staleness_mean"]),
                      staleness_max=int(out["staleness_max"]), dropped_samples=int(out["dropped_samples"]),
                      staleness_accept_max=int(out.get("staleness_accept_max", out["staleness_max"])),
-                     wait_seconds=float(out["wait_seconds"]), filtered=list(out.get("filtered") or []))
+                     wait_seconds=float(out["wait_seconds"]),
+                     served_wait_seconds=float(out.get("served_wait_seconds", 0.0)),
+                     filtered=list(out.get("filtered") or []))
 
 
 def collate(samples: list[Sample], pad_id: int = 0, device: str | torch.device = "cpu") -> dict:
