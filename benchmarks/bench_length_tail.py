@@ -153,7 +153,8 @@ def _from_gpu(src: Path, out: Path, tag: str, argv) -> int:
         gpu_runs[mode] = {k: run.get(k) for k in ("step_seconds_mean", "step_seconds_p50", "dropped_samples",
                                                   "dropped_continued_groups", "dropped_waited_groups",
                                                   "expired_groups", "partial_resumed", "tokens_regenerated",
-                                                  "gpu_sm_util_mean", "stopped_at_deadline", "wall_seconds")}
+                                                  "served_wait_seconds_mean", "gpu_sm_util_mean", "stopped_at_deadline",
+                                                  "wall_seconds")}
     lengths = draw_lengths(512, tail["median"], tail["sigma"], tail["hi"], tail["lo"], seed=0)  # gpu_pipeline's
     _print_table(results, f"length-tailed completions {doc['length_tail']}, {doc['device']}")
     record = {"command": "python -m app bench length_tail" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
@@ -190,6 +191,8 @@ def _record(metrics: list[dict], s: dict, total_s: float) -> dict:
             "expired_groups": max(r.get("rollout_expired_groups", 0) for r in metrics),
             "partial_resumed": sum(r.get("partial_resumed", 0) for r in metrics),
             "tokens_regenerated": sum(r.get("tokens_regenerated", 0) for r in metrics),
+            # rollout.partial: the trainer waiting, at each batch, for the version it just published to be served
+            "served_wait_seconds_mean": sum(r.get("served_wait_seconds", 0.0) for r in steady) / len(steady),
             "versions_per_sample_mean": sum(r.get("versions_per_sample_mean", 1.0) for r in metrics) / len(metrics),
             "staleness_max": max(r.get("staleness_max", 0) for r in metrics),
             "trainer_idle_fraction": s.get("trainer_idle_fraction"),

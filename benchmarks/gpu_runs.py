@@ -116,6 +116,8 @@ def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command
         # rollout.partial (per step): samples continued under a newer version, and the prefill it redid
         "partial_resumed": sum(r.get("partial_resumed", 0) for r in rows),
         "tokens_regenerated": sum(r.get("tokens_regenerated", 0) for r in rows),
+        # rollout.partial: the trainer waiting, at each batch, for the version it just published to be served
+        "served_wait_seconds_mean": _mean([r.get("served_wait_seconds") for r in steady]),
         "published": sum(r.get("published", 0) for r in rows), "aliased": sum(r.get("aliased", 0) for r in rows),
         "final_version": rows[-1].get("version") if rows else None,
         "trainer_idle_fraction": summary.get("trainer_idle_fraction"),
