@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common.stats import mean
+
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"sync": ["run.mode=sync"], "async": ["run.mode=async"],
          "async-partial": ["run.mode=async", "rollout.partial=true"]}
@@ -123,9 +125,9 @@ def _num(x, digits: int = 2) -> str:
 def _ratios(results: dict) -> dict:
     """Async + partial over each other mode: steps per hour, and completion tokens trained per second (a mode that
     aborts long completions does less work per step)."""
-    mean = {m: r["step_seconds_mean"] for m, r in results.items()}
-    ratios = {f"partial_vs_{m}": mean[m] / mean["async-partial"] for m in ("async", "sync")
-              if m in mean and "async-partial" in mean}
+    step_s = {m: r["step_seconds_mean"] for m, r in results.items()}
+    ratios = {f"partial_vs_{m}": step_s[m] / step_s["async-partial"] for m in ("async", "sync")
+              if m in step_s and "async-partial" in step_s}
     tok_s = {m: r.get("completion_tokens_per_s") for m, r in results.items()}
     ratios.update({f"partial_vs_{m}_tokens": tok_s["async-partial"] / tok_s[m] for m in ("async", "sync")
                    if tok_s.get(m) and tok_s.get("async-partial")})
@@ -192,7 +194,7 @@ def _record(metrics: list[dict], s: dict, total_s: float) -> dict:
             "partial_resumed": sum(r.get("partial_resumed", 0) for r in metrics),
             "tokens_regenerated": sum(r.get("tokens_regenerated", 0) for r in metrics),
             # rollout.partial: the trainer waiting, at each batch, for the version it just published to be served
-            "served_wait_seconds_mean": sum(r.get("served_wait_seconds", 0.0) for r in steady) / len(steady),
+            "served_wait_seconds_mean": mean(r.get("served_wait_seconds") for r in steady),
             "versions_per_sample_mean": sum(r.get("versions_per_sample_mean", 1.0) for r in metrics) / len(metrics),
             "staleness_max": max(r.get("staleness_max", 0) for r in metrics),
             "trainer_idle_fraction": s.get("trainer_idle_fraction"),

@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from common.stats import p50
+from common.stats import mean, p50
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,11 +53,6 @@ RUNS = {
 }
 
 
-def _mean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
-
-
 def _rate(rows: list[dict]) -> float | None:
     """Generated tokens per second over rows: each row's rate times its step's seconds, summed, / the seconds."""
     rows = [r for r in rows if r.get("gen_tokens_per_s") is not None and r.get("step_seconds")]
@@ -87,7 +82,7 @@ def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command
         "step_seconds_p50": p50([r.get("step_seconds") for r in steady]),
         # What N steps take, / N. Async steps come in bursts (with max_staleness 2, two fast steps on batches
         # already there, then one that waits for the engines), so the p50 can sit far below it.
-        "step_seconds_mean": _mean([r.get("step_seconds") for r in steady]),
+        "step_seconds_mean": mean([r.get("step_seconds") for r in steady]),
         "learn_seconds_p50": p50([r.get("learn_seconds") for r in steady]),
         "train_tokens_per_s_p50": p50([r.get("train_tokens_per_s") for r in steady]),
         "gen_tokens_per_s_p50": p50([r.get("gen_tokens_per_s") for r in steady]),
@@ -117,7 +112,7 @@ def record(name: str, cfg, rows: list[dict], summary: dict, wall: float, command
         "partial_resumed": sum(r.get("partial_resumed", 0) for r in rows),
         "tokens_regenerated": sum(r.get("tokens_regenerated", 0) for r in rows),
         # rollout.partial: the trainer waiting, at each batch, for the version it just published to be served
-        "served_wait_seconds_mean": _mean([r.get("served_wait_seconds") for r in steady]),
+        "served_wait_seconds_mean": mean([r.get("served_wait_seconds") for r in steady]),
         "published": sum(r.get("published", 0) for r in rows), "aliased": sum(r.get("aliased", 0) for r in rows),
         "final_version": rows[-1].get("version") if rows else None,
         "trainer_idle_fraction": summary.get("trainer_idle_fraction"),

@@ -10,6 +10,12 @@ def p50(xs) -> float | None:
     return xs[len(xs) // 2] if xs else None
 
 
+def mean(xs) -> float | None:
+    """The mean of the values that are not None; None when none (a metric no row carries)."""
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
 def proportion_z(first: list[dict], last: list[dict], samples_per_row: int) -> float:
     """Two-proportion z statistic of the per-sample success rate, `last` rows vs `first` rows (each row a
     step whose `reward_mean` averages `samples_per_row` 0/1 rewards): how far the reward rose beyond noise."""
