@@ -51,14 +51,23 @@ def replica_seed(seed, replica_id: str) -> int:
     return (int(seed or 0) * 1_000_003 + zlib.crc32(replica_id.encode())) % (2 ** 31)
 
 
+_REAPERS: list = []  # held so that a running reaper's Popen is never collected (and warned about)
+
+
 def build_engine(engine: dict, replica_id: str, prefix: PrefixCacheCounter):
     """vLLM's AsyncLLM from the engine kwargs (engine_config.engine_kwargs), seeded per replica, its
     prefix-cache stats counted into `prefix`."""
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from serve_deployments import engine_reaper
+
     engine = dict(engine, seed=replica_seed(engine.get("seed"), replica_id))
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine), stat_loggers=[prefix.factory])
+    before = engine_reaper.children()
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine), stat_loggers=[prefix.factory])
+    # The engine core's process outlives a replica process that is killed; the reaper ends it then.
+    _REAPERS.append(engine_reaper.watch(before))
+    return llm
 
 
 class VllmServing:

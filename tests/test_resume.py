@@ -4,6 +4,7 @@ checkpoint while later steps were already logged; `--resume RUN_DIR` then stoppe
 (SIGINT: checkpoint, exit 130); `--resume` again to the end. Across the three processes:
 - every prompt of each epoch is trained on exactly once (16 prompts, 4 per step: three full epochs);
 - metrics.jsonl holds steps 1..N exactly once each, and the trainer's version continues;
+- the killed driver's vLLM engine process does not outlive it;
 - refusals: a finished run, and a directory without a checkpoint, get one line and exit 2."""
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests._serve_helpers import free_port
+from tests.support.processes import descendants, is_engine, left_after
 
 pytestmark = pytest.mark.slow
 
@@ -118,10 +120,18 @@ def test_sigkill_then_ctrl_c_then_resume_uses_every_prompt_once(tiny_model_dir, 
     try:
         _wait_for(p, log1, lambda: _checkpoint_steps(run_dir) and any(
             r["step"] > max(_checkpoint_steps(run_dir)) for r in _rows(run_dir)), "a step after the first checkpoint")
+        procs = descendants(p.pid)
         os.kill(p.pid, signal.SIGKILL)
         p.wait(timeout=60)
+        # The driver took its local cluster with it; the replica's vLLM engine process (reparented to init, as it
+        # does not watch its parent) must go too (serve_deployments/engine_reaper.py), not hold its memory on.
+        # Checked before the process group is ended below, which would end it whatever the product did.
+        engines = [q for q in procs if is_engine(q)]
+        engines_left = left_after(engines, 60)
     finally:
         _end_group(p)
+    assert engines and engines_left == [], ([q.name() for q in procs], engines_left)
+    left_after(procs, 30)  # the rest of the run's processes, if any lingered: this test's own
     killed_rows = _settled_rows(run_dir)
     ckpt1 = max(_checkpoint_steps(run_dir))
     assert ckpt1 < STEPS and max(r["step"] for r in killed_rows) > ckpt1
