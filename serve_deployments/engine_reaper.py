@@ -39,22 +39,35 @@ def _alive(key: str) -> psutil.Process | None:
 
 
 def children() -> set[int]:
-    """The PIDs of this process's descendants now."""
+    """The PIDs of this process's children now."""
     try:
-        return {c.pid for c in psutil.Process().children(recursive=True)}
+        return {c.pid for c in psutil.Process().children()}
     except psutil.Error:
         return set()
 
 
-def watch(before: set[int]) -> subprocess.Popen | None:
-    """Starts the reaper over the descendants this process has now and did not have in `before` (the engine's,
-    when `before` was taken just ahead of building it); None when there are none (an in-process engine)."""
-    procs = []
+def _engine_processes(before: set[int]) -> list[str]:
+    """The children started since `before`, with their own descendants (an engine core's workers), but not
+    multiprocessing's resource tracker: that one ends by itself when its owner goes (it reads a pipe to EOF) and
+    lives as long as the owner otherwise, so watching it would keep the reaper for the owner's whole life. Only
+    direct children: a Ray node started in this process (tests, a local cluster) spawns workers meanwhile, and
+    they are not the engine's."""
+    keys = []
     for pid in children() - before:
         try:
-            procs.append(_key(psutil.Process(pid)))
+            p = psutil.Process(pid)
+            if "resource_tracker" in " ".join(p.cmdline()):
+                continue
+            keys += [_key(q) for q in [p, *p.children(recursive=True)]]
         except psutil.Error:
             pass
+    return keys
+
+
+def watch(before: set[int]) -> subprocess.Popen | None:
+    """Starts the reaper over the processes this process started since `before` (the engine's, when `before`
+    was taken just ahead of building it); None when there are none (an in-process engine)."""
+    procs = _engine_processes(before)
     if not procs:
         return None
     # Its own session: a signal for the replica's process group must not end the reaper before the replica.

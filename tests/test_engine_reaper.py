@@ -89,11 +89,13 @@ def test_reaper_leaves_when_the_engine_ends_first_and_never_touches_a_reused_pid
         owner.kill()
 
 
-def test_watch_names_only_new_descendants(tmp_path):
+def test_watch_names_only_new_children_and_not_the_resource_tracker():
     before = engine_reaper.children()
     assert engine_reaper.watch(before) is None  # nothing new: no reaper (an in-process engine)
+    tracker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300) # resource_tracker"])
     engine = subprocess.Popen([sys.executable, "-c", ENGINE])
     try:
+        time.sleep(0.5)
         reaper = engine_reaper.watch(before)
         assert reaper is not None
         args = psutil.Process(reaper.pid).cmdline()
@@ -101,6 +103,9 @@ def test_watch_names_only_new_descendants(tmp_path):
         assert args[-2] == engine_reaper._key(psutil.Process())
         engine.kill()
         engine.wait()
-        assert reaper.wait(timeout=10) == 0  # its engine gone, the reaper leaves too
+        assert reaper.wait(timeout=10) == 0  # its engine gone, the reaper leaves too (the tracker lives on)
+        assert tracker.poll() is None
     finally:
-        engine.kill()
+        for p in (engine, tracker):
+            p.kill()
+            p.wait()
