@@ -1,7 +1,7 @@
 """serve_deployments/engine_reaper.py with real processes: an "engine" that outlives its "replica" is ended once
 the replica is killed; one that ends first (or a reused PID) is left alone. The vLLM case itself (a driver
 SIGKILLed with its local cluster) is asserted in tests/test_resume.py and tests/test_unplaceable.py."""
-import signal
+import contextlib
 import subprocess
 import sys
 import time
@@ -28,9 +28,22 @@ def _owner_and_engine(engine: str):
     return owner, child
 
 
-def test_engine_is_ended_after_its_owner_is_killed():
-    owner, child = _owner_and_engine(ENGINE)
+@contextlib.contextmanager
+def owner_and_engine(engine: str):
+    """The pair, both ended afterwards whatever the test did to them."""
+    owner, child = _owner_and_engine(engine)
     try:
+        yield owner, child
+    finally:
+        for p in (owner, child):
+            try:
+                p.kill()
+            except (psutil.Error, ProcessLookupError):
+                pass
+
+
+def test_engine_is_ended_after_its_owner_is_killed():
+    with owner_and_engine(ENGINE) as (owner, child):
         reaper = subprocess.Popen([sys.executable, "-m", "serve_deployments.engine_reaper",
                                    engine_reaper._key(psutil.Process(owner.pid)), engine_reaper._key(child)],
                                   stderr=subprocess.PIPE, text=True)
@@ -43,17 +56,10 @@ def test_engine_is_ended_after_its_owner_is_killed():
         assert f"ended its engine processes [{child.pid}]" in err
         child.wait(timeout=5)
         assert not child.is_running()
-    finally:
-        for p in (owner, child):
-            try:
-                p.kill()
-            except (psutil.Error, ProcessLookupError):
-                pass
 
 
 def test_engine_that_ignores_sigterm_is_killed_after_the_grace():
-    owner, child = _owner_and_engine(STUBBORN)
-    try:
+    with owner_and_engine(STUBBORN) as (owner, child):
         time.sleep(1)  # the child's SIGTERM handler is set
         owner.kill()
         owner.wait()
@@ -62,12 +68,6 @@ def test_engine_that_ignores_sigterm_is_killed_after_the_grace():
         assert time.monotonic() - t0 < 5
         child.wait(timeout=5)
         assert not child.is_running()
-    finally:
-        for p in (owner, child):
-            try:
-                p.kill()
-            except (psutil.Error, ProcessLookupError):
-                pass
 
 
 def test_reaper_leaves_when_the_engine_ends_first_and_never_touches_a_reused_pid():
