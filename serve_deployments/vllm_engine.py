@@ -66,7 +66,9 @@ def build_engine(engine: dict, replica_id: str, prefix: PrefixCacheCounter):
     before = engine_reaper.children()
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine), stat_loggers=[prefix.factory])
     # The engine core's process outlives a replica process that is killed; the reaper ends it then.
-    _REAPERS.append(engine_reaper.watch(before))
+    reaper = engine_reaper.watch(before)
+    if reaper is not None:
+        _REAPERS.append(reaper)
     return llm
 
 

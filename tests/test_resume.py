@@ -4,7 +4,7 @@ checkpoint while later steps were already logged; `--resume RUN_DIR` then stoppe
 (SIGINT: checkpoint, exit 130); `--resume` again to the end. Across the three processes:
 - every prompt of each epoch is trained on exactly once (16 prompts, 4 per step: three full epochs);
 - metrics.jsonl holds steps 1..N exactly once each, and the trainer's version continues;
-- the killed driver's vLLM engine process does not outlive it;
+- the killed driver's vLLM engine process does not outlive it (Ray's teardown path; see test_unplaceable);
 - refusals: a finished run, and a directory without a checkpoint, get one line and exit 2."""
 from __future__ import annotations
 
@@ -123,9 +123,10 @@ def test_sigkill_then_ctrl_c_then_resume_uses_every_prompt_once(tiny_model_dir, 
         procs = descendants(p.pid)
         os.kill(p.pid, signal.SIGKILL)
         p.wait(timeout=60)
-        # The driver took its local cluster with it; the replica's vLLM engine process (reparented to init, as it
-        # does not watch its parent) must go too (serve_deployments/engine_reaper.py), not hold its memory on.
-        # Checked before the process group is ended below, which would end it whatever the product did.
+        # The driver took its local cluster with it; the replica's vLLM engine process must go too, not hold its
+        # memory on. Here the dying raylet ends its workers' process groups, engine included (this passed without
+        # serve_deployments/engine_reaper.py too); the reaper's own case, a raylet killed outright, is
+        # tests/test_unplaceable.py's. Checked before the process group is ended below, which would end it anyway.
         engines = [q for q in procs if is_engine(q)]
         engines_left = left_after(engines, 60)
     finally:

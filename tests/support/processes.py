@@ -21,14 +21,22 @@ def is_engine(p: psutil.Process) -> bool:
         return False
 
 
+def _running(p: psutil.Process) -> bool:
+    """Running and not a zombie waiting for its parent (one that ended, reparented to init, is reaped soon)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def left_after(procs: list[psutil.Process], wait_s: float) -> list[str]:
     """Waits up to `wait_s` for `procs` to end on their own, then ends the ones still running (they are the
     test's own) and names them: an empty list means all ended by themselves."""
     deadline = time.monotonic() + wait_s
-    alive = [p for p in procs if p.is_running()]
+    alive = [p for p in procs if _running(p)]
     while alive and time.monotonic() < deadline:
         time.sleep(0.5)
-        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in alive if _running(p)]
     named = []
     for p in alive:
         try:
