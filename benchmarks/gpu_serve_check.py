@@ -61,6 +61,16 @@ def bf16_match(rec: dict, model: str) -> bool:
             and rec[f"{model}_logprob_abs_diff_max"] <= BF16_TOLERANCE["max"])
 
 
+def tool_call_check(status: int, body: dict | None) -> dict:
+    """What one chat response with the strict `set_unit` tool as a named tool_choice did: one call of it, its
+    arguments inside UNIT's schema."""
+    calls = (body["choices"][0]["message"].get("tool_calls") or []) if status == 200 and body else []
+    arguments = json.loads(calls[0]["function"]["arguments"]) if calls else {}
+    ok = (len(calls) == 1 and calls[0]["function"]["name"] == "set_unit"
+          and arguments.get("unit") in ("c", "f") and 0 <= arguments.get("n", -1) <= 9)
+    return {"status": status, "names": [x["function"]["name"] for x in calls], "arguments": arguments, "ok": ok}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -130,12 +140,7 @@ def main(argv=None) -> int:
                 "model": model, "messages": [{"role": "user", "content": "units?"}], "tools": [UNIT],
                 "tool_choice": {"type": "function", "function": {"name": "set_unit"}}, "max_tokens": 120,
                 "temperature": 0.0, "logit_bias": no_ws})
-            calls = r.json()["choices"][0]["message"].get("tool_calls") or [] if r.status_code == 200 else []
-            args = json.loads(calls[0]["function"]["arguments"]) if calls else {}
-            c["tool_calls"][model] = {"status": r.status_code, "names": [x["function"]["name"] for x in calls],
-                                      "arguments": args,
-                                      "ok": (len(calls) == 1 and calls[0]["function"]["name"] == "set_unit"
-                                             and args.get("unit") in ("c", "f") and 0 <= args.get("n", -1) <= 9)}
+            c["tool_calls"][model] = tool_call_check(r.status_code, r.json() if r.status_code == 200 else None)
         bad = {"unknown_model": httpx.post(f"{base}/v1/completions", timeout=30,
                                            json={"model": "policy-v999", "prompt": "x"}).status_code,
                "bad_json": httpx.post(f"{base}/v1/completions", timeout=30, content=b"{nope",

@@ -28,8 +28,8 @@ all fail stops the run, printing the dead actors' causes and the Serve logs' err
 are logged with their time as they happen, and OUT/rest_vs_vllm_{cpu|gpu}_partial.json is rewritten at each
 stage and after each pass (the passes done, the stages, why it is partial), so a run killed by a time limit
 leaves what it measured; a finished run removes it. The final document is written once the passes are done,
-before the servers stop; a run killed while they stop leaves a partial with every pass, which `--finish`
-turns into the final document.
+before the servers stop; a run killed while they stop, or in its last round, leaves a partial which `--finish` turns
+into the final document from its complete rounds (at least 3).
 
 Writes OUT/rest_vs_vllm_{cpu|gpu}.json (`rest_vs_vllm_serve_{cpu|gpu}`: the lower of the completions and
 chat ratios through the Serve port; `..._replica_port`: the same through the replica's own port) and a PNG
@@ -199,8 +199,8 @@ def main(argv=None) -> int:
                    help="how the two servers start: " + "; ".join(f"{k}: {v}" for k, v in START_ORDERS.items())
                    + " (default after-kv on a GPU, together on CPU)")
     p.add_argument("--finish", metavar="PARTIAL", default=None,
-                   help="write the final document (in PARTIAL's folder) from a partial one whose run did every pass "
-                        "but was stopped before its document; runs nothing")
+                   help="write the final document (in PARTIAL's folder) from a partial one whose run was stopped "
+                        f"before its document, from its complete rounds (at least {MIN_FINISH_ROUNDS}); runs nothing")
     args = p.parse_args(argv)
     if args.finish:
         try:
@@ -389,24 +389,36 @@ def write_final(doc: dict, out: Path, device: str) -> Path:
     return f
 
 
+MIN_FINISH_ROUNDS = 3
+
+
 def finish_partial(partial: Path) -> Path:
-    """The final document from a partial one that a run left behind with every pass done (killed while its
-    servers stopped): the same keys, from the same passes; the partial stays, as the record of the stop."""
+    """The final document from a partial one that a run left behind: killed while its servers stopped (every pass
+    done), or in its last rounds. The summary is a finished run's, over the rounds in which every side ran on
+    every endpoint (a cut round is dropped whole: its sides ran in one order against one host state); a cut run
+    needs MIN_FINISH_ROUNDS of them. The partial stays, as the record of the stop."""
     global SIDES
     doc = json.loads(partial.read_text())
-    if not doc.get("rounds") or doc.get("passes_done") != doc.get("passes"):
-        raise ValueError(f"{partial}: {doc.get('passes_done')} of {doc.get('passes')} passes were done; only a run "
-                         "that finished every pass can be finished from its partial document")
-    ours = [s for s in doc["rounds"][0]["order"] if s != "vllm"]
+    rounds = doc.get("rounds") or []
+    ours = [s for s in rounds[0]["order"] if s != "vllm"] if rounds else []
+    complete = [r for r in rounds
+                if all(all(side in r.get(ep, {}) for side in (*ours, "vllm")) for ep in ENDPOINTS)]
+    every_pass = bool(rounds) and doc.get("passes_done") == doc.get("passes") and len(complete) == len(rounds)
+    if not every_pass and len(complete) < MIN_FINISH_ROUNDS:
+        raise ValueError(f"{partial}: {len(complete)} complete round(s) ({doc.get('passes_done')} of "
+                         f"{doc.get('passes')} passes were done); --finish needs {MIN_FINISH_ROUNDS} (the first is "
+                         "a warm-up, the ratio a median of the others)")
     SIDES = (*sorted(ours, key=list(PREFIX).index), "vllm")
     device = "gpu" if partial.name.endswith("_gpu_partial.json") else "cpu"
     fields = {k: doc[k] for k in ("code", "command", "workload", "work_dir", "load_avg_1_5_15_min_at_start",
                                   "wall_s") if k in doc}
     fields |= {"settings": {"vllm_server_cmd": doc.get("vllm_server_cmd"), "server_start_s": doc.get("server_start_s")},
                "finished_from_partial": {"file": partial.name, "reason": doc.get("partial_reason"),
-                                         "updated_at": doc.get("updated_at")}}
+                                         "updated_at": doc.get("updated_at"),
+                                         "passes_done": doc.get("passes_done"), "passes": doc.get("passes"),
+                                         "rounds_used": len(complete), "rounds_cut": len(rounds) - len(complete)}}
     model = Path(doc.get("work_dir") or ".") / f"{doc['workload'].get('shape', 'tiny')}-model"
-    return write_final(final_document(doc["rounds"], device, model, fields), partial.parent, device)
+    return write_final(final_document(complete, device, model, fields), partial.parent, device)
 
 if __name__ == "__main__":
     sys.exit(main())

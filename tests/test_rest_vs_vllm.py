@@ -160,7 +160,7 @@ def _pass(tok_s: float) -> dict:
 def test_a_run_stopped_after_every_pass_is_finished_from_its_partial_document(tmp_path):
     """On the H200 a time limit killed a run while its servers stopped, every pass done and no document:
     `--finish` makes the document from the partial one (the same summary as a finished run), and refuses a
-    partial whose passes are not all done."""
+    partial with fewer than three complete rounds."""
     tok = {"rest": 600.0, "front": 950.0, "vllm": 1000.0}
     rounds = [{"order": list(order), **{ep: {s: _pass(tok[s] * (1.1 if ep == "chat" and s == "front" else 1) + r)
                                              for s in order} for ep in rv.ENDPOINTS}}
@@ -175,7 +175,7 @@ def test_a_run_stopped_after_every_pass_is_finished_from_its_partial_document(tm
     progress.write("stopped after 6 of 12 passes: SystemExit: 137")
     finish = [sys.executable, "-m", "benchmarks.rest_vs_vllm", "--finish", str(path)]
     proc = subprocess.run(finish, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "6 of 12 passes were done" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "1 complete round(s) (6 of 12 passes were done)" in proc.stderr, proc.stderr
     assert not (tmp_path / "rest_vs_vllm_gpu.json").exists()
 
     progress.passes = 18
@@ -196,3 +196,27 @@ def test_a_run_stopped_after_every_pass_is_finished_from_its_partial_document(tm
     assert settings["vllm_server_cmd"][-1].endswith("api_server") and "vllm bench serve" in settings["client"]
     assert (tmp_path / "rest_vs_vllm_gpu.png").stat().st_size > 0 and path.exists()
     assert "rest_vs_vllm_serve_gpu_front = 0.95" in proc.stdout
+
+
+def test_a_run_cut_in_its_last_round_is_finished_from_its_complete_rounds(tmp_path):
+    """On an H100 the rest phase's limit cut a run at pass 22 of 24 (its last round without chat's front and vLLM):
+    the cut round is dropped whole, the document says so, and the ratios are the complete rounds'."""
+    tok = {"rest": 600.0, "front": 950.0, "vllm": 1000.0}
+    orders = [("rest", "front", "vllm"), ("vllm", "front", "rest")] * 2
+    rounds = [{"order": list(o), **{ep: {s: _pass(tok[s] + r) for s in o} for ep in rv.ENDPOINTS}}
+              for r, o in enumerate(orders)]
+    rounds[3]["chat"] = {"vllm": _pass(1003.0)}  # cut after the chat endpoint's first side
+    path = tmp_path / "rest_vs_vllm_gpu_partial.json"
+    progress = rv.Progress(path, {"command": "python -m benchmarks.rest_vs_vllm", "work_dir": str(tmp_path),
+                                  "workload": {**rv.WORKLOAD, "rounds": 4, "shape": "qwen2.5-1.5b"}}, passes=24)
+    progress.rounds.extend(rounds)
+    progress.write("running, 22 of 24 passes done")
+    assert progress.passes_done() == 22
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.rest_vs_vllm", "--finish", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "rest_vs_vllm_gpu.json").read_text())
+    done = doc["finished_from_partial"]
+    assert (done["rounds_used"], done["rounds_cut"], done["passes_done"], done["passes"]) == (3, 1, 22, 24)
+    front = statistics.median([(950 + r) / (1000 + r) for r in (1, 2)])  # rounds 2 and 3; round 4 is cut
+    assert doc["rest_vs_vllm_serve_gpu_front"] == pytest.approx(front) and len(doc["rounds"]) == 3
