@@ -6,8 +6,10 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch only where tensors are touched: the ingress imports this module for AdapterError
+    import torch
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -15,6 +17,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     """sha256 over names, dtypes, shapes and bytes, in name order (independent of dict order)."""
+    import torch
+
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()

@@ -11,8 +11,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-
 from common.adapter_io import AdapterError, verify_payload, write_peft_dir
 
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
@@ -45,6 +43,7 @@ class BaseModelShapes:
     """Weight shapes of the base model, from its config alone (meta tensors: no weights read)."""
 
     def __init__(self, model_path: str):
+        import torch  # here: the ingress imports this module and never needs torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
         hf_cfg = AutoConfig.from_pretrained(model_path)

@@ -274,29 +274,6 @@ def test_config_rules_and_a_missing_package(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_short_run_trains_on_the_verifiers_environment(serve_env, tmp_path):
-    """Real Ray, Serve, vLLM, DeepSpeed: the environment's tasks are sampled as token-exact episodes under the
-    pinned version, scored by its rubric; every step's row carries each reward function's mean score."""
-    from app import driver
-
-    cfg = C.load("recipes/verifiers-cpu.yaml", [
-        f"model.path={serve_env.model_dir}", "model.build_tiny=false", f"run.out_dir={tmp_path}", "run.name=vf",
-        "train.total_steps=3", "train.num_workers=1", "train.cpus_per_worker=0.5", "rollout.replicas=1",
-        "rollout.cpus_per_replica=0.5", "grpo.prompts_per_step=8", "grpo.group_size=4", "checkpoint.every=0",
-        f"rollout.http_port={serve_env.http_port}", "run.stall_timeout_s=300"])
-    summary = driver.run(cfg, progress=False)
-    assert summary["steps"] == 3
-    rows = [json.loads(line) for line in (tmp_path / "vf" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    for r in rows:
-        # exact_match is the only weighted function: the GRPO reward is its score
-        assert r["reward/exact_match"] == pytest.approx(r["reward_mean"])
-        assert 0.0 <= r["reward/starts_with_answer"] <= 1.0 and r["reward/starts_with_answer"] >= r["reward_mean"]
-        assert r["retokenized_turns"] == 0 and r["episode_turns_mean"] == 1.0
-    assert rows[0]["log_ratio_abs_max"] <= LOGPROB_TOL  # step 1: the trained ids and logprobs are the engine's
-
-
-@pytest.mark.slow
 def test_a_short_run_trains_on_the_multi_turn_environment(serve_env, tmp_path):
     """Real Ray, Serve, vLLM, DeepSpeed: vf_steps_env's own run() plays 3-turn episodes whose turns are sampled
     by the episode loop under the pinned version; every step's row carries each reward's mean score, and what the
@@ -325,9 +302,12 @@ def test_a_short_run_trains_on_the_multi_turn_environment(serve_env, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_short_run_evaluates_held_out_tasks_every_step(serve_env, tmp_path):
-    """Real Ray, Serve, vLLM, DeepSpeed: the base policy and every published version are scored on held-out tasks
-    of the environment by its rubric (greedy episodes under the evaluated version), with each function's score."""
+def test_a_short_run_trains_on_the_environment_and_evaluates_held_out_tasks_every_step(serve_env, tmp_path):
+    """Real Ray, Serve, vLLM, DeepSpeed, one run (each costs ~60 s of starts on 2 cores):
+    - training: the environment's tasks are sampled as token-exact episodes under the pinned version, scored by its
+      rubric; every step's row carries each reward function's mean score;
+    - evaluation: the base policy and every published version are scored on held-out tasks of the environment by
+      its rubric (greedy episodes under the evaluated version), with each function's score."""
     from app import driver
     from app.evaluate import eval_rows
     from app.verifiers_env import verifiers_rows
@@ -340,6 +320,15 @@ def test_a_short_run_evaluates_held_out_tasks_every_step(serve_env, tmp_path):
         f"rollout.http_port={serve_env.http_port}", "run.stall_timeout_s=300"])
     summary = driver.run(cfg, progress=False)
     assert summary["steps"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "vfev" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "step" in r and "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        # exact_match is the only weighted function: the GRPO reward is its score
+        assert r["reward/exact_match"] == pytest.approx(r["reward_mean"])
+        assert 0.0 <= r["reward/starts_with_answer"] <= 1.0 and r["reward/starts_with_answer"] >= r["reward_mean"]
+        assert r["retokenized_turns"] == 0 and r["episode_turns_mean"] == 1.0
+    assert steps[0]["log_ratio_abs_max"] <= LOGPROB_TOL  # step 1: the trained ids and logprobs are the engine's
     history = summary["eval_history"]
     assert history and history[-1]["eval/step"] == 2 and history[-1]["eval/version"] >= 1  # a trained version
     assert summary["eval/samples"] == 4
@@ -349,7 +338,6 @@ def test_a_short_run_evaluates_held_out_tasks_every_step(serve_env, tmp_path):
         # exact_match is the only weighted function: the greedy reward is its score, correct when it is 1
         assert ev["eval/reward_mean"] == pytest.approx(ev["eval/reward/exact_match"]) == ev["eval/accuracy"]
         assert ev["eval/env_errors"] == 0
-    rows = [json.loads(line) for line in (tmp_path / "vfev" / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/accuracy" in r for r in rows)
     # the held-out tasks of the run's own config (as the driver read them): none is a training prompt
     run_cfg = C.from_dict(yaml.safe_load((tmp_path / "vfev" / "config.yaml").read_text()))
