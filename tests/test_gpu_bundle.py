@@ -37,6 +37,22 @@ deps = _load("deps")
 parts = _load("parts")
 
 
+MiB = 1 << 20
+CALL_LIMIT = 64 * MiB  # what one device call carries: the working tree and its `carry` paths
+
+
+def test_one_part_and_the_repository_fit_one_device_call():
+    """Each upload call of a GPU lease carries the tracked working tree beside one part: once the tree (most of it
+    benchmarks/results/) grows past what the part leaves, every upload call of a lease would fail. 1 MiB is kept
+    for untracked files and the call's own overhead."""
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    tree = sum((REPO / p).stat().st_size for p in tracked.decode().split("\0") if p and (REPO / p).is_file())
+    part = parts.parse_size(parts.DEFAULT_PART_SIZE)
+    assert tree + part <= CALL_LIMIT - MiB, (
+        f"the tracked tree ({tree / MiB:.1f} MiB) and one {parts.DEFAULT_PART_SIZE} part exceed a device call's "
+        f"{CALL_LIMIT // MiB} MiB less 1: move superseded results out of the repository or lower the part size")
+
+
 def test_project_requirements_name_every_pyproject_package():
     names = {deps.normalize(r.name) for r in deps.project_requirements(REPO / "pyproject.toml")}
     assert {"vllm", "liger-kernel", "ray", "deepspeed", "torch", "transformers", "peft", "math-verify"} <= names

@@ -65,7 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the torch build the stack runs on (default 2.13.0+cu130); bundled when the "
                              "--target-freeze names another torch, else taken as the target's")
     parser.add_argument("--format", choices=("site", "wheels"), default="site")
-    parser.add_argument("--part-size", default="50M", help="size of each part (default 50M)")
+    parser.add_argument("--part-size", default=parts.DEFAULT_PART_SIZE,
+                        help=f"size of each part (default {parts.DEFAULT_PART_SIZE})")
     parser.add_argument("--compression", choices=parts.COMPRESSIONS, default="gz",
                         help="gz (default: ~1 min per GiB on 2 cores), xz (a little smaller, ~20x slower), none")
     parser.add_argument("--target-has", default="numpy",
