@@ -59,4 +59,14 @@ def test_a_stopped_run_reports_the_buffers_counts_and_a_dead_buffer_does_not_fai
     stats = _buffer_stats(buf)
     assert stats["dropped_samples"] == 0 and stats["dropped_continued_groups"] == 0
     ray.kill(buf)
+    # ray.kill only asks: a call sent right after it can still be answered (CI saw one), so wait for the death.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(buf.stats.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the killed buffer still answers after 30 s")
     assert _buffer_stats(buf) is None
