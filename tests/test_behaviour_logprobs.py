@@ -2,7 +2,7 @@
 tiny model in float32 with real PEFT: the pre-pass under a kept older version equals a plain PEFT forward with
 that version's adapter loaded; fresh samples' loss and gradient equal engine mode's when the engine's logprobs
 equal the trainer's; which versions are kept across publishes, tags and steps off the sync grid; the config
-rule. The end-to-end run is tests/test_behaviour_logprobs_run.py."""
+rule. The end-to-end run is tests/test_judge_run.py (a judged run with trainer behaviour logprobs)."""
 from __future__ import annotations
 
 import math
