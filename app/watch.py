@@ -199,12 +199,12 @@ class Progress:
         one without limit; rollout.max_restarts)."""
         since = _restarts_since(buf.get("trainer_starts", 0), self._starts_at_step)
         if since > self.max_restarts:
-            self._restarts_error(f"the train worker group restarted {since} times", f"train.max_restarts="
+            self._restarts_error(f"the train worker group restarted {_times(since)}", f"train.max_restarts="
                                  f"{self.max_restarts}")
         for worker, n in sorted((buf.get("rollout_starts") or {}).items()):
             since = _restarts_since(n, self._worker_starts_at_step.get(worker))
             if since > self.max_worker_restarts:
-                self._restarts_error(f"rollout worker {worker} restarted {since} times",
+                self._restarts_error(f"rollout worker {worker} restarted {_times(since)}",
                                      f"rollout.max_restarts={self.max_worker_restarts}")
 
     def _restarts_error(self, what: str, limit: str) -> None:
@@ -318,6 +318,10 @@ def train_and_watch(trainer, progress: Progress, buffer, worker_runs: list) -> T
         if fit.is_alive():
             logger.warning("the trainer did not stop within %.0fs of the run ending", FIT_STOP_TIMEOUT_S)
     return TrainOutcome(outcome.get("result"), interrupted)
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
 
 
 def _restarts_since(starts: int, at_last_step: int | None) -> int:

@@ -37,7 +37,7 @@ def test_a_logged_step_refills_the_budget():
 def test_zero_allows_no_restart_and_negative_is_refused():
     p = _progress(0)
     p._check_restarts({"trainer_starts": 1})
-    with pytest.raises(RestartsError):
+    with pytest.raises(RestartsError, match=r"restarted once without logging a step \(train.max_restarts=0\)"):
         p._check_restarts({"trainer_starts": 2})
     with pytest.raises(C.ConfigError, match="train.max_restarts"):
         C.load("recipes/tiny-cpu.yaml", ["train.max_restarts=-1"])
