@@ -2,7 +2,10 @@
 
 A fleet is started on a Ray cluster this test owns (`ray.cluster_utils.Cluster`), like `python -m app fleet up`
 on a cluster of `ray start`. Two training runs with different LoRA ranks attach to it as separate driver
-processes (`python -m app train --fleet NAME`, as a user starts them) and train at once. Then:
+processes (`python -m app train --fleet NAME`, as a user starts them) and train at once: run b the tiny recipe, run a
+the features a run brings to a shared fleet of its own accord (a verifiers multi-turn environment's episodes, a judge
+asking the fleet's base model through the fleet's ingress, partial rollouts carried across versions), each seen
+working in its rows. Then:
 - a third attach that does not fit the fleet's adapter slots is refused at once, with the numbers;
 - a run's token cannot unload another run's adapter (403);
 - reading (/v1/models, a run's card, a replica's own REST port) needs the fleet's read token or a run's own
@@ -53,7 +56,11 @@ def fleet(tiny_model_dir, tmp_path_factory):
 
     from app.fleet import fleet_down, fleet_up
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
+    # Run a's environment (tests/support/vf_steps_env.py) is installed on the cluster's nodes, as a user's would be:
+    # the cluster's processes, started here, inherit the path.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(REPO / "tests" / "support")]))
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
     port = free_port()
     cfg = C.load("recipes/tiny-cpu.yaml", [
         f"model.path={tiny_model_dir}", "model.build_tiny=false", "rollout.replicas=1", f"rollout.http_port={port}",
@@ -70,15 +77,27 @@ def fleet(tiny_model_dir, tmp_path_factory):
         cluster.shutdown()
 
 
-def _start_run(fleet: dict, tiny_model_dir, name: str, rank: int, steps: int) -> tuple[subprocess.Popen, Path]:
+# Run a: vf_steps_env (tests/support), 3 turns; the judge reads only the reply (the environment's rows have no
+# answer column); partial rollouts with policy all, so every episode in flight moves when a version goes live.
+FEATURES_A = ["env.verifiers=vf_steps_env", 'env.args={"size": 32, "turns": 3}', "env.max_turns=3",
+              "grpo.prompts_per_step=2", "grpo.group_size=4", "rollout.partial=true", "rollout.partial_policy=all",
+              'reward.judge.template="Reply Y or N. The reply was: {completion}"',
+              'reward.judge.parse={"kind": "words", "yes": ["Y"], "no": ["N"]}', "reward.judge.weight=0.5",
+              "reward.judge.max_tokens=2", "reward.judge.temperature=0.0"]
+
+
+def _start_run(fleet: dict, tiny_model_dir, name: str, rank: int, steps: int, config: str = "recipes/tiny-cpu.yaml",
+               extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
     out = fleet["out"]
     log = open(out / f"{name}.log", "w")
-    cmd = [sys.executable, "-m", "app", "train", "--config", "recipes/tiny-cpu.yaml", "--fleet", FLEET,
+    cmd = [sys.executable, "-m", "app", "train", "--config", config, "--fleet", FLEET,
            "--no-progress", "--set", f"model.path={tiny_model_dir}", "--set", "model.build_tiny=false",
            "--set", f"run.name={name}", "--set", f"run.out_dir={out}", "--set", f"lora.rank={rank}",
            "--set", f"lora.alpha={2 * rank}", "--set", f"train.total_steps={steps}", "--set", "train.num_workers=1",
-           "--set", "rollout.workers=1", "--set", "checkpoint.every=0", "--set", "eval.path=null"]
-    env = dict(os.environ, RAY_ADDRESS=fleet["address"], LORA_GRPO_FLEET_TOKEN=ADMIN, PYTHONPATH=str(REPO))
+           "--set", "rollout.workers=1", "--set", "checkpoint.every=0", "--set", "eval.path=null",
+           *[a for s in extra for a in ("--set", s)]]
+    env = dict(os.environ, RAY_ADDRESS=fleet["address"], LORA_GRPO_FLEET_TOKEN=ADMIN,
+               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests" / "support")]))  # the driver's checks
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, out / name / "metrics.jsonl"
 
@@ -117,7 +136,8 @@ def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_di
 
     base = f"http://127.0.0.1:{fleet['port']}"
     state = ray.get_actor(fleet_app(FLEET), namespace=NAMESPACE)
-    a, a_rows = _start_run(fleet, tiny_model_dir, "a", rank=4, steps=400)
+    a, a_rows = _start_run(fleet, tiny_model_dir, "a", rank=4, steps=400, config="recipes/verifiers-cpu.yaml",
+                           extra=tuple(FEATURES_A))
     b, b_rows = _start_run(fleet, tiny_model_dir, "b", rank=8, steps=STEPS_B)
     try:
         # Both train at once, each served under its own names, ranks 4 and 8 side by side.
@@ -158,6 +178,26 @@ def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_di
         assert r.status_code == 403, r.text
         assert "b/policy-v2" in _model_ids(base)
 
+        # Run a's features worked through the fleet: 3-turn episodes, token-exact turn by turn; the judge's score
+        # (weight 0.5, in [0, 1]) added to the environment's rubric, every call answered by the fleet's base model;
+        # partial rollouts on, an episode in flight moving to the version that went live (policy all; whether one
+        # was in flight at a publish is timing: here 1 of run a's first 4 steps moved one; the move itself, token
+        # exact on a fleet replica, is tests/test_partial_rollouts.py's TestOneFleetReplica). Read at the kill, so
+        # run b is still training when run a goes.
+        _wait(lambda: len(_rows(a_rows)) >= 2, 300, "two steps of run a", (a,))
+        rows_a = _rows(a_rows)
+        moved = [r for r in rows_a if r.get("partial_resumed", 0) > 0]
+        for r in rows_a:
+            assert r["episode_turns_mean"] == 3.0 and r["retokenized_turns"] == 0, r
+            rubric = 0.5 * r["reward/last_exact"] + 0.5 * r["reward/steps_right"]
+            assert rubric - 1e-9 <= r["reward_mean"] <= rubric + 0.5 + 1e-9, r
+            assert "versions_per_sample_mean" in r and "tokens_regenerated" in r, r
+        assert all(r["versions_per_sample_mean"] > 1.0 for r in moved), moved
+        judged = [r["reward_judge"] for r in rows_a if r.get("reward_judge") is not None]
+        assert judged and all(0.0 <= x <= 1.0 for x in judged), judged
+        last = rows_a[-1]
+        assert last["judge_calls"] >= 2 * 4 and last["judge_errors"] == 0 and last["judge_timeouts"] == 0, last
+
         # SIGKILL run a's driver: no detach; its lease runs out and the fleet unloads its adapters.
         a.send_signal(signal.SIGKILL)
         a.wait(timeout=30)
@@ -189,7 +229,8 @@ def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_di
         assert not any(i.startswith("b/") for i in _model_ids(base))
         ray.get(state.detach.remote("probe", probe["token"]))
         _wait(lambda: not any(RUN_INFIX in name for name in _serve_apps()), 60, "every card to leave the Serve view")
-        print(json.dumps({"a_gone_after_kill_s": round(gone_s, 1), "b_z": round(z, 2)}))
+        print(json.dumps({"a_gone_after_kill_s": round(gone_s, 1), "b_z": round(z, 2), "a_steps": len(rows_a),
+                          "a_steps_with_a_move": len(moved)}))
     finally:
         for p in (a, b):
             if p.poll() is None:
