@@ -56,6 +56,13 @@ def test_overrides_are_typed(tmp_path):
     assert cfg.train.total_steps == 7 and cfg.lora.target_modules == ["q_proj", "v_proj"]
     assert cfg.grpo.lr == 0.1 and cfg.grpo.tis_cap is None and cfg.run.mode == "sync"
     assert cfg.grpo.min_lr_ratio == 0.01
+    # a line with ": " in it is text, not a one-line YAML mapping; collections are written {..} or [..]
+    template = "Reply Y or N. The reply was: {completion}"
+    cfg = C.load(None, [f"reward.judge.template={template}", "data.few_shot=[{prompt: q, answer: a}]",
+                        "data.system_prompt=Answer: one letter. - no more",
+                        'reward.judge.parse={"kind": "words", "yes": [Y], "no": [N]}'])
+    assert cfg.reward.judge.template == template and cfg.reward.judge.parse.yes == ["Y"]
+    assert cfg.data.few_shot[0]["prompt"] == "q" and cfg.data.system_prompt == "Answer: one letter. - no more"
 
 
 @pytest.mark.parametrize("sets, key", [

@@ -81,7 +81,7 @@ def fleet(tiny_model_dir, tmp_path_factory):
 # answer column); partial rollouts with policy all, so every episode in flight moves when a version goes live.
 FEATURES_A = ["env.verifiers=vf_steps_env", 'env.args={"size": 32, "turns": 3}', "env.max_turns=3",
               "grpo.prompts_per_step=2", "grpo.group_size=4", "rollout.partial=true", "rollout.partial_policy=all",
-              'reward.judge.template="Reply Y or N. The reply was: {completion}"',
+              "reward.judge.template=Reply Y or N. The reply was: {completion}",
               'reward.judge.parse={"kind": "words", "yes": ["Y"], "no": ["N"]}', "reward.judge.weight=0.5",
               "reward.judge.max_tokens=2", "reward.judge.temperature=0.0"]
 

@@ -36,10 +36,14 @@ def validate(cfg: Config) -> None:
 
 
 def _coerce(text: str) -> Any:
-    """`--set` values are YAML scalars: 3, 0.5, 1e-4, true, null, [q_proj, v_proj], strings."""
+    """`--set` values are YAML scalars: 3, 0.5, 1e-4, true, null, [q_proj, v_proj], {size: 32}, strings."""
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:  # not YAML (a judge template such as `{completion} ...`): the text itself
+        return text
+    if isinstance(value, (dict, list)) and not text.lstrip().startswith(("{", "[")):
+        # A block mapping or list is never meant on one line: `Reply Y or N. The reply was: {completion}` is a
+        # judge template, not {"Reply Y or N. The reply was": {"completion": None}}. Collections are written {..}/[..].
         return text
     if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
         try:
