@@ -40,7 +40,9 @@ def _train_parser(prog: str, desc: str) -> argparse.ArgumentParser:
                                 epilog="config keys (set in the YAML file or with --set section.key=value):\n"
                                        + describe())
     p.add_argument("--config", help="YAML config file (recipes/*.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key; VALUE is read as YAML (7, 1e-4, null, [a, b], {k: v}), else as text "
+                        "(a judge template with ': ' in it stays text)")
     return p
 
 
