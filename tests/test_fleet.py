@@ -36,6 +36,8 @@ from tests._serve_helpers import free_port
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
+# The project and run a's environment (tests/support/vf_steps_env.py), for the drivers and the cluster's nodes.
+PYTHONPATH = os.pathsep.join([str(REPO), str(REPO / "tests" / "support")])
 FLEET = "t"
 ADMIN = "fleet-admin-token"
 READ = "fleet-read-token"  # reading (REST completions, /v1/models, the run cards) needs it
@@ -59,7 +61,7 @@ def fleet(tiny_model_dir, tmp_path_factory):
     # Run a's environment (tests/support/vf_steps_env.py) is installed on the cluster's nodes, as a user's would be:
     # the cluster's processes, started here, inherit the path.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(REPO / "tests" / "support")]))
+        mp.setenv("PYTHONPATH", PYTHONPATH)
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
     port = free_port()
     cfg = C.load("recipes/tiny-cpu.yaml", [
@@ -96,8 +98,7 @@ def _start_run(fleet: dict, tiny_model_dir, name: str, rank: int, steps: int, co
            "--set", f"lora.alpha={2 * rank}", "--set", f"train.total_steps={steps}", "--set", "train.num_workers=1",
            "--set", "rollout.workers=1", "--set", "checkpoint.every=0", "--set", "eval.path=null",
            *[a for s in extra for a in ("--set", s)]]
-    env = dict(os.environ, RAY_ADDRESS=fleet["address"], LORA_GRPO_FLEET_TOKEN=ADMIN,
-               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests" / "support")]))  # the driver's checks
+    env = dict(os.environ, RAY_ADDRESS=fleet["address"], LORA_GRPO_FLEET_TOKEN=ADMIN, PYTHONPATH=PYTHONPATH)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, out / name / "metrics.jsonl"
 
