@@ -4,6 +4,7 @@ stack was just unpacked (the offline bundle), before anything long is spent on i
     python -m benchmarks.probes.stack_check OUT.json [--model DIR]
 
 Checks, each recorded with its seconds or its error: the versions; a bf16 matmul on the GPU (when there is one);
+a one-rank all-reduce over the trainer's backend with the CUDA libraries torch mapped (collectives_and_libraries);
 DeepSpeed's import and accelerator; a vLLM engine on the embedded tiny model (built into --model when missing) with
 LoRA enabled, one rank-1 adapter of zeros and per-token logprobs, as the rollout asks; the trainer's forward of the
 same tokens through PEFT, whose logprobs must match the engine's (the model is tiny: a loose tolerance)."""
@@ -24,6 +25,44 @@ def _timed(results: dict, name: str, fn):
         results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
     results[name]["seconds"] = round(time.perf_counter() - t0, 2)
     print(json.dumps({name: {k: v for k, v in results[name].items() if k != "trace"}}), flush=True)
+
+
+def _version(fn) -> str:
+    try:
+        return str(fn())
+    except Exception as e:  # a library that fails to load is the answer, not a crash
+        return f"error {type(e).__name__}: {e}"
+
+
+def collectives_and_libraries(gpu: bool) -> dict:
+    """A one-rank all-reduce over the backend DeepSpeed's trainer uses here (NCCL on a GPU, gloo on CPU); on a GPU
+    also the versions torch reports for NCCL, cuDNN and cuSPARSELt, and the CUDA library files it mapped. Why: a
+    bundle that leaves cuBLAS, NCCL and cuSPARSELt to the image (torch 2.13 pins versions a patch or minor away from
+    its copies; docs/GPU.md, "Offline install") is a third smaller, and this check with the matmul says whether the
+    image's copies do."""
+    import torch
+    import torch.distributed as dist
+
+    from common.ports import free_port
+
+    backend = "nccl" if gpu else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        t = torch.ones(4, device="cuda" if gpu else "cpu")
+        dist.all_reduce(t)
+        if t.tolist() != [1.0] * 4:
+            raise AssertionError(f"a one-rank all-reduce of ones gave {t.tolist()}")
+    finally:
+        dist.destroy_process_group()
+    out: dict = {"backend": backend}
+    if gpu:
+        out.update(nccl=_version(torch.cuda.nccl.version), cudnn=_version(torch.backends.cudnn.version),
+                   cusparselt=_version(torch.backends.cusparselt.version))
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if len(line.split()) >= 6}
+    libs = ("libcublas", "libnccl", "libcusparseLt", "libcudnn.so")
+    out["cuda_libraries"] = sorted(p for p in paths if any(k in p for k in libs))
+    return out
 
 
 def main(argv=None) -> int:
@@ -50,6 +89,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             return {"tflops": round(20 * 2 * 8192**3 / (time.perf_counter() - t0) / 1e12, 1)}
         _timed(results, "matmul_bf16", matmul)
+    _timed(results, "collectives_and_libraries", lambda: collectives_and_libraries(gpu))
 
     def deepspeed_check():
         import deepspeed
