@@ -5,7 +5,8 @@ on a cluster of `ray start`. Two training runs with different LoRA ranks attach 
 processes (`python -m app train --fleet NAME`, as a user starts them) and train at once: run b the tiny recipe, run a
 the features a run brings to a shared fleet of its own accord (a verifiers multi-turn environment's episodes, a judge
 asking the fleet's base model through the fleet's ingress, partial rollouts carried across versions), each seen
-working in its rows. Then:
+working in its rows (its step 1 also shows the trainer's logprobs equal to the fleet engine's, turn by turn: the
+multi-turn environment's only real run in the suite). Then:
 - a third attach that does not fit the fleet's adapter slots is refused at once, with the numbers;
 - a run's token cannot unload another run's adapter (403);
 - reading (/v1/models, a run's card, a replica's own REST port) needs the fleet's read token or a run's own
@@ -31,7 +32,7 @@ import pytest
 from app.report import read_rows
 from common import config as C
 from common.stats import proportion_z
-from tests._serve_helpers import free_port
+from tests._serve_helpers import LOGPROB_TOL, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -206,6 +207,9 @@ def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_di
             assert rubric - 1e-9 <= r["reward_mean"] <= rubric + 0.5 + 1e-9, r
             assert "versions_per_sample_mean" in r and "tokens_regenerated" in r, r
         assert all(r["versions_per_sample_mean"] > 1.0 for r in moved), moved
+        # Step 1 scores the base weights its episodes were sampled under: the trainer's logprob of every sampled token
+        # of every turn equals the fleet engine's, so what it trained on is the engine's ids, turn by turn.
+        assert rows_a[0]["step"] == 1 and rows_a[0]["log_ratio_abs_max"] <= LOGPROB_TOL, rows_a[0]
         judged = [r["reward_judge"] for r in rows_a if r.get("reward_judge") is not None]
         assert judged and all(0.0 <= x <= 1.0 for x in judged), judged
         last = rows_a[-1]

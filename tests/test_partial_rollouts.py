@@ -268,6 +268,9 @@ def test_train_run_with_partial_rollouts(tmp_path, tiny_model_dir):
            "--set", "grpo.ignore_eos=true", "--set", "grpo.max_new_tokens=64",
            "--set", "sync.max_staleness=1", "--set", "train.total_steps=8", "--set", "eval.path=null",
            "--set", "grpo.prompts_per_step=4", "--set", "checkpoint.every=0",
+           # One replica, one train worker, one rollout worker: a move happens inside a replica, and each process
+           # less is ~10 s of start on 2 cores
+           "--set", "rollout.replicas=1", "--set", "train.num_workers=1", "--set", "rollout.workers=1",
            # A negligible step: the versions a continued sample spans hold the same weights, so the log ratio of its
            # older tokens measures the trainer/vLLM agreement, not the update (the reward, up to the first EOS, now
            # gives the policy something to learn, and it did: 0.73 on a stale token with the recipe's lr)

@@ -4,8 +4,10 @@ package would be) loads through verifiers' own loader, its tasks become the prom
 episode (weighted sum, each function's score on the step metrics); a multi-turn environment (vf_steps_env: its own
 Env.run() through app/verifiers_bridge.py) plays its turns through the episode loop, ends on max_turns, fails only
 its episode when run() raises and leaves no run() behind; bad environments fail at validation; the
-re-tokenization detector; and short real runs (Ray, Serve, vLLM, DeepSpeed) train on both environments, one of them
-evaluating held-out tasks every step (eval.path: verifiers; the rest of its tests in tests/test_verifiers_eval.py)."""
+re-tokenization detector; and a short real run (Ray, Serve, vLLM, DeepSpeed) trains on the single-turn environment,
+evaluating held-out tasks every step (eval.path: verifiers; the rest of its tests in tests/test_verifiers_eval.py).
+The multi-turn environment's real run is tests/test_fleet.py's run a (3-turn episodes, token-exact turn by turn, the
+rubric's two functions, step 1's trainer logprobs equal to the engine's), on a shared fleet: one run start less."""
 from __future__ import annotations
 
 import asyncio
@@ -271,34 +273,6 @@ def test_config_rules_and_a_missing_package(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "verifiers" else real(name, *a))
     cfg = C.Config().replace(env={"verifiers": "x"}, reward={"fn": None}, eval={"path": None})
     assert any("[envs]" in p for p in machine_problems(cfg))
-
-
-@pytest.mark.slow
-def test_a_short_run_trains_on_the_multi_turn_environment(serve_env, tmp_path):
-    """Real Ray, Serve, vLLM, DeepSpeed: vf_steps_env's own run() plays 3-turn episodes whose turns are sampled
-    by the episode loop under the pinned version; every step's row carries each reward's mean score, and what the
-    trainer got is, turn by turn, what the engine saw and sampled."""
-    from app import driver
-
-    cfg = C.load("recipes/verifiers-cpu.yaml", [
-        f"model.path={serve_env.model_dir}", "model.build_tiny=false", f"run.out_dir={tmp_path}", "run.name=vfmt",
-        "env.verifiers=vf_steps_env", 'env.args={"size": 32, "turns": 3}', "env.max_turns=3",
-        "train.total_steps=2", "train.num_workers=1", "train.cpus_per_worker=0.5", "rollout.replicas=1",
-        "rollout.cpus_per_replica=0.5", "grpo.prompts_per_step=2", "grpo.group_size=4", "checkpoint.every=0",
-        f"rollout.http_port={serve_env.http_port}", "run.stall_timeout_s=300"])
-    summary = driver.run(cfg, progress=False)
-    assert summary["steps"] == 2
-    rows = [json.loads(line) for line in (tmp_path / "vfmt" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        # the GRPO reward is the weighted sum: @vf.reward last_exact (0.5) + run()'s record_reward steps_right (0.5)
-        assert r["reward_mean"] == pytest.approx(0.5 * r["reward/last_exact"] + 0.5 * r["reward/steps_right"])
-        assert r["episode_turns_mean"] == 3.0 and 0 < r["env_tokens_fraction"] < 1
-        # per turn, the engine's prompt is the previous turn's prompt + its sampled ids + the feedback's tokens
-        assert r["retokenized_turns"] == 0
-    # step 1 scores the base weights the episodes were sampled under: the trainer's logprob of every sampled token
-    # of every turn equals the engine's, so the ids it trained on are the engine's, turn by turn
-    assert rows[0]["log_ratio_abs_max"] <= LOGPROB_TOL
 
 
 @pytest.mark.slow
