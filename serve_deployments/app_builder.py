@@ -38,7 +38,7 @@ def build_app(cfg: Config, registry_name: str, registry_namespace: str, fleet: s
               admin_token: str | None = None) -> serve.Application:
     """The app: the ingress in front of rollout.replicas vLLM replicas. A fleet's (`fleet` NAME) serves every
     attached run's adapters in `cfg.replica_slots` slots per replica, and its admin token is the fleet's."""
-    from serve_deployments.engine_config import engine_kwargs, replica_options, tool_parser_option
+    from serve_deployments.engine_config import SHUTDOWN_POLL_S, engine_kwargs, replica_options, tool_parser_option
     from serve_deployments.replica import RolloutReplica
 
     opts = replica_options(cfg)
@@ -51,7 +51,7 @@ def build_app(cfg: Config, registry_name: str, registry_namespace: str, fleet: s
                                                   http=replica_http_options(cfg),
                                                   **({"fleet": fleet} if fleet else {}))
     token = admin_token or cfg.rollout.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
-    ingress = Ingress.options(ray_actor_options={
+    ingress = Ingress.options(graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S, ray_actor_options={
         "num_cpus": 0.1, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}})
     fleet_kwargs = {"fleet": fleet, "fleet_seqs": cfg.rollout.replicas * cfg.rollout.max_num_seqs} if fleet else {}
     return ingress.bind(replica, str(cfg.model.path), cfg.rollout.replicas, registry_name, registry_namespace, token,
