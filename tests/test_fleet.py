@@ -148,13 +148,17 @@ def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_di
 
     base = f"http://127.0.0.1:{fleet['port']}"
     state = ray.get_actor(fleet_app(FLEET), namespace=NAMESPACE)
+    logs = tuple(fleet["out"] / f"{n}.log" for n in "ab")
     a, a_rows = _start_run(fleet, tiny_model_dir, "a", rank=4, steps=400, config="recipes/verifiers-cpu.yaml",
                            extra=tuple(FEATURES_A))
-    b, b_rows = _start_run(fleet, tiny_model_dir, "b", rank=8, steps=STEPS_B)
+    b = None
     try:
+        # Run a goes first: its start (an environment, a judge) is the longer, and run b, which ends on its own,
+        # has to outlast the checks below that need both runs attached, the kill of run a included.
+        _wait(lambda: "a" in ray.get(state.runs.remote()), 300, "run a to attach", (a,), logs)
+        b, b_rows = _start_run(fleet, tiny_model_dir, "b", rank=8, steps=STEPS_B)
         # Both train at once, each served under its own names, ranks 4 and 8 side by side. (Past their second
         # step: which versions are listed then is timing, since a run's live window moves on at each of its steps.)
-        logs = tuple(fleet["out"] / f"{n}.log" for n in "ab")
         ids = _wait(lambda: (lambda i: i if all(max(_versions(i, r), default=0) >= 2 for r in "ab") else None)(
             _model_ids(base)), 600, "both runs to publish policy-v2 or later", (a, b), logs)
         assert {"a/policy-latest", "b/policy-latest"} <= ids
@@ -250,6 +254,6 @@ def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_di
                           "a_steps_with_a_move": len(moved)}))
     finally:
         for p in (a, b):
-            if p.poll() is None:
+            if p is not None and p.poll() is None:
                 p.kill()
                 p.wait(timeout=30)
