@@ -11,7 +11,7 @@ from common.config import Config
 from common.placement import replica_resources
 
 WORKER_EXTENSION = "serve_deployments.merged_weights_extension.MergedWeightsExtension"
-SHUTDOWN_POLL_S = 0.25  # graceful_shutdown_wait_loop_s of the run's deployments (replicas, ingress)
+SHUTDOWN_POLL_S = 0.25  # graceful_shutdown_wait_loop_s of the run's deployments (replicas, ingress, run cards)
 
 
 def engine_env(cfg: Config) -> dict[str, str]:

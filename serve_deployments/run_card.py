@@ -21,6 +21,7 @@ from ray import serve
 from common.names import NAMESPACE, fleet_app
 from common.types import adapter_name, latest_name
 from serve_deployments.admin import bearer
+from serve_deployments.engine_config import SHUTDOWN_POLL_S
 from serve_deployments.openai_body import error_body, json_response
 from serve_deployments.served_versions import UnknownRunError
 
@@ -36,7 +37,7 @@ def run_card_route(run: str) -> str:
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=16,
-                  health_check_period_s=30, graceful_shutdown_wait_loop_s=0.25)  # a detach waits on no drain
+                  health_check_period_s=30, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 class RunCard:
     def __init__(self, fleet: str, run: str):
         import ray

@@ -159,8 +159,10 @@ def test_two_runs_share_a_fleet_one_killed_the_other_learns(fleet, tiny_model_di
         b, b_rows = _start_run(fleet, tiny_model_dir, "b", rank=8, steps=STEPS_B)
         # Both train at once, each served under its own names, ranks 4 and 8 side by side. (Past their second
         # step: which versions are listed then is timing, since a run's live window moves on at each of its steps.)
-        ids = _wait(lambda: (lambda i: i if all(max(_versions(i, r), default=0) >= 2 for r in "ab") else None)(
-            _model_ids(base)), 600, "both runs to publish policy-v2 or later", (a, b), logs)
+        def both_past_v2():
+            ids = _model_ids(base)
+            return ids if all(max(_versions(ids, r), default=0) >= 2 for r in "ab") else None
+        ids = _wait(both_past_v2, 600, "both runs to publish policy-v2 or later", (a, b), logs)
         assert {"a/policy-latest", "b/policy-latest"} <= ids
         runs = ray.get(state.runs.remote())
         assert {r: (v["slots"], v["lora_rank"]) for r, v in runs.items()} == {"a": (4, 4), "b": (4, 8)}
